@@ -1,0 +1,115 @@
+"""The `opd` command line. Subcommands are added by the parts that own them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from launch.config import ConfigError, JobConfig, config_to_yaml, load_config
+
+console = Console()
+err_console = Console(stderr=True)
+
+app = typer.Typer(
+    name="opd",
+    help="Per-turn on-policy distillation for code and math agents.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+config_app = typer.Typer(help="Check and inspect job configs (YAML).", no_args_is_help=True)
+factory_app = typer.Typer(help="Small local models for tests and demos.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(factory_app, name="factory")
+
+ConfigPath = Annotated[Path, typer.Argument(help="A job config YAML file.")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override one key: section.key=value (repeatable)."),
+]
+
+
+def _load_or_exit(path: Path, overrides: list[str] | None) -> JobConfig:
+    try:
+        return load_config(path, overrides)
+    except ConfigError as err:
+        err_console.print(f"[red]invalid config[/red] {err}", highlight=False)
+        raise typer.Exit(code=2) from None
+
+
+@config_app.command("validate")
+def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
+    """Check a config file; exit 2 and name every bad key if it is not valid."""
+    config = _load_or_exit(path, overrides)
+    layout = config.parallel
+    console.print(
+        f"[green]ok[/green] {path}: recipe {config.algorithm.recipe}, "
+        f"harness {config.rollout.harness}, teacher {config.teacher.kind}, "
+        f"{layout.world_size} worker(s) as TP{layout.tp} x CP{layout.cp} x PP{layout.pp} "
+        f"x DP{layout.dp}",
+        highlight=False,
+    )
+
+
+@config_app.command("show")
+def config_show(
+    path: Annotated[
+        Path | None, typer.Argument(help="A config file; omit for the embedded default.")
+    ] = None,
+    overrides: Overrides = None,
+) -> None:
+    """Print the full config with every default filled in."""
+    config = JobConfig() if path is None else _load_or_exit(path, overrides)
+    console.print(config_to_yaml(config), highlight=False, markup=False)
+
+
+@factory_app.command("list")
+def factory_list() -> None:
+    """List the factory's model presets."""
+    from slime_ext.local.factory import PRESETS
+
+    for name, spec in sorted(PRESETS.items()):
+        console.print(
+            f"{name}: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}",
+            highlight=False,
+        )
+
+
+@factory_app.command("build")
+def factory_build(
+    preset: Annotated[str, typer.Argument(help="A preset name (see `opd factory list`).")],
+    out: Annotated[Path, typer.Option(help="Directory to write the HF checkpoint to.")],
+    seed: Annotated[int, typer.Option(help="Initialization seed.")] = 0,
+) -> None:
+    """Build a random-init model and its tokenizer as a HF directory."""
+    from slime_ext.local.factory import UnknownPresetError, build_checkpoint
+
+    try:
+        path = build_checkpoint(preset, out, seed=seed)
+    except UnknownPresetError as err:
+        err_console.print(f"[red]error[/red] {err}", highlight=False)
+        raise typer.Exit(code=2) from None
+    console.print(f"wrote {path}", highlight=False)
+
+
+@app.command("demo")
+def demo(
+    out: Annotated[Path, typer.Option(help="Run directory.")] = Path("runs/demo"),
+    seed: Annotated[int, typer.Option(help="Seed of the factory models.")] = 0,
+) -> None:
+    """The one-machine demo. Until the OPD trainer lands, this runs the foundation's
+    end-to-end piece: factory student and teacher, a multi-turn tool conversation turned
+    into a per-turn trajectory, each turn's span scored by both models, JSONL round-trip."""
+    from launch.demo import run_foundation_demo
+
+    run_foundation_demo(out, seed=seed, console=console)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

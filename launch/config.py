@@ -1,0 +1,283 @@
+"""The job configuration: one pydantic model per section, loaded from YAML.
+
+Every part of the system is built from its section of `JobConfig`. Later issues add
+fields to their section; unknown keys are always an error (a typo must not silently fall
+back to a default).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Recipe = Literal["opd", "opsd", "oprd", "ssd", "rl", "sft"]
+RECIPES_WITH_TEACHER: frozenset[str] = frozenset({"opd", "opsd", "oprd"})
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used, with every problem listed."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    student: str = "factory:qwen3-tiny"
+    """Student checkpoint: a local HF directory, or `factory:<preset>` for a small model
+    built by `slime_ext.local.factory` (random init, deterministic by `seed`)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to the student's own."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the trainer's model. Log-softmax is always computed in fp32."""
+    seed: int = 0
+    """Seed for factory models and for everything random in the job."""
+
+
+class ParallelConfig(Section):
+    num_nodes: int = Field(default=1, ge=1)
+    """Training nodes (the teacher's node is counted in `teacher`, not here)."""
+    gpus_per_node: int = Field(default=0, ge=0)
+    """GPUs per training node; 0 means the embedded CPU trainer."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size (the vocabulary is sharded over it)."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel size."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel size."""
+    max_tokens_per_gpu: int = Field(default=38_912, ge=1)
+    """Token budget of one micro-batch on one GPU (slime's --max-tokens-per-gpu)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * max(self.gpus_per_node, 1)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size, derived: world / (tp * cp * pp)."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @model_validator(mode="after")
+    def _layout_divides_world(self) -> ParallelConfig:
+        model_parallel = self.tp * self.cp * self.pp
+        if self.gpus_per_node == 0:
+            if model_parallel != 1:
+                raise ValueError(
+                    f"tp * cp * pp = {model_parallel} needs GPUs: set gpus_per_node, "
+                    "or keep tp = cp = pp = 1 for the embedded CPU trainer"
+                )
+        elif self.world_size % model_parallel != 0:
+            raise ValueError(
+                f"tp * cp * pp = {self.tp} * {self.cp} * {self.pp} = {model_parallel} does "
+                f"not divide num_nodes * gpus_per_node = {self.world_size}"
+            )
+        return self
+
+
+class RolloutConfig(Section):
+    harness: Literal["tir", "swe"] = "tir"
+    """Agent harness: math tool-integrated reasoning (python tool) or SWE (bash + submit)."""
+    think_policy: Literal["drop", "keep"] = "drop"
+    """Whether a turn's reasoning is carried into later contexts (see DESIGN.md)."""
+    tool_call_format: Literal["hermes", "qwen3_coder"] = "hermes"
+    """How the model writes tool calls."""
+    max_turns: int = Field(default=16, ge=1)
+    """Turns (model calls) per trajectory before it ends as truncated."""
+    max_new_tokens: int = Field(default=512, ge=1)
+    """Generation budget of one turn."""
+    max_context_tokens: int = Field(default=4096, ge=16)
+    """Longest context a turn may see; a trajectory that outgrows it ends as truncated."""
+    temperature: float = Field(default=1.0, gt=0.0)
+    """Sampling temperature. KL losses use this same temperature on both sides."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus truncation; 1.0 (off) keeps OPD samples on-policy."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k truncation; -1 is off."""
+    tasks_per_step: int = Field(default=8, ge=1)
+    """Distinct tasks sampled for one training step."""
+    samples_per_task: int = Field(default=1, ge=1)
+    """Trajectories per task (a group, for group-normalized RL)."""
+    concurrency: int = Field(default=8, ge=1)
+    """Trajectories in flight at once."""
+    trajectory_timeout_s: float = Field(default=600.0, gt=0.0)
+    """Wall-clock limit of one trajectory; past it the trajectory ends as aborted."""
+
+
+class SandboxConfig(Section):
+    backend: Literal["local", "docker", "e2b"] = "local"
+    """Where actions run."""
+    command_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Deadline of one command or python call."""
+    memory_mb: int = Field(default=1024, ge=16)
+    """Memory limit of one sandbox."""
+    image: str | None = None
+    """Container image or E2B template (docker / e2b backends)."""
+    network: bool = False
+    """Whether sandboxed code may use the network."""
+
+
+class TeacherConfig(Section):
+    kind: Literal["embedded", "remote", "self"] = "embedded"
+    """embedded: `opd` starts the teacher server on 127.0.0.1; remote: a standalone
+    `opd-teacher` service at `url`; self: a frozen snapshot of the student (OPSD/OPRD)."""
+    model: str | None = "factory:qwen3-small"
+    """Teacher checkpoint for `embedded` (a HF directory or `factory:<preset>`)."""
+    backend: Literal["hf", "sglang"] = "hf"
+    """Scoring backend of the embedded server."""
+    url: str | None = None
+    """Base URL of a remote teacher service, e.g. http://teacher-node:8000."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the teacher service's API key."""
+    top_k: int = Field(default=0, ge=0)
+    """Teacher top-k log-probs per span token (0: the sampled token's log-prob only)."""
+    request_timeout_s: float = Field(default=120.0, gt=0.0)
+    """Deadline of one scoring request."""
+
+    @model_validator(mode="after")
+    def _kind_has_its_fields(self) -> TeacherConfig:
+        if self.kind == "remote" and not self.url:
+            raise ValueError("kind 'remote' needs url (the opd-teacher service's base URL)")
+        if self.kind == "embedded" and not self.model:
+            raise ValueError("kind 'embedded' needs model (a HF directory or factory:<preset>)")
+        return self
+
+
+class AlgorithmConfig(Section):
+    recipe: Recipe = "opd"
+    """Training signal: opd (separate teacher), opsd / oprd (self-teacher with a hint or
+    reminders), ssd (SFT on own samples), rl (outcome reward), sft (on given traces)."""
+    steps: int = Field(default=20, ge=1)
+    """Optimizer steps."""
+    lr: float = Field(default=1e-4, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    """Global gradient-norm clip."""
+    kl_coef: float = Field(default=1.0, ge=0.0)
+    """Weight of the per-token reverse-KL advantage."""
+    train_on_invalid_turns: bool = True
+    """Whether KL-to-teacher losses train on tier-1/2 invalid turns (imitation losses never do)."""
+
+
+class LoggingConfig(Section):
+    run_dir: Path = Path("runs/default")
+    """Where checkpoints, metrics.jsonl and trajectories are written."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """W&B mode; `online` needs WANDB_API_KEY."""
+    wandb_project: str = "opd"
+    wandb_group: str | None = None
+    log_every_steps: int = Field(default=1, ge=1)
+    save_every_steps: int = Field(default=10, ge=1)
+    save_trajectories: bool = True
+    """Write every trajectory of every step to run_dir/trajectories/ as JSONL."""
+
+
+class JobConfig(Section):
+    """A whole job. Every section has defaults: `JobConfig()` is the one-machine OPD demo."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> JobConfig:
+        recipe = self.algorithm.recipe
+        if recipe in ("opsd", "oprd") and self.teacher.kind != "self":
+            raise ValueError(
+                f"recipe '{recipe}' distills from a frozen snapshot of the student: "
+                "set teacher.kind: self"
+            )
+        if recipe == "opd" and self.teacher.kind == "self":
+            raise ValueError(
+                "recipe 'opd' needs a separate teacher (teacher.kind embedded or remote); "
+                "a self-teacher with a hint is recipe 'opsd'"
+            )
+        if self.rollout.max_new_tokens >= self.rollout.max_context_tokens:
+            raise ValueError(
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) must be smaller "
+                f"than rollout.max_context_tokens ({self.rollout.max_context_tokens})"
+            )
+        return self
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML job file, apply `section.key=value` overrides, and validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return config_from_dict(apply_overrides(data, overrides or []), source=str(path))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each `a.b.c=value` set (value parsed as YAML)."""
+    merged: dict[str, Any] = _deep_copy(data)
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or not dotted:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        keys = dotted.split(".")
+        node = merged
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {key} is a value, not a section")
+            node = child
+        try:
+            node[keys[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {err}") from err
+    return merged
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        problems = [_describe(error) for error in err.errors()]
+        raise ConfigError(f"{source}: {len(problems)} problem(s)\n" + "\n".join(problems)) from None
+
+
+def config_to_yaml(config: JobConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _describe(error: Any) -> str:
+    loc = tuple(error["loc"])
+    where = ".".join(str(part) for part in loc) or "<top level>"
+    if error["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+        return f"  - {where}: unknown key{did_you_mean} (allowed: {', '.join(allowed)})"
+    message = error["msg"].removeprefix("Value error, ")
+    given = error.get("input")
+    got = "" if isinstance(given, dict) or given is None else f" (got {given!r})"
+    return f"  - {where}: {message}{got}"
+
+
+def _allowed_keys(section_loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = JobConfig
+    for part in section_loc:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}

@@ -1,0 +1,1 @@
+"""Example job configs: `opd config validate` each one."""

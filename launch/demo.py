@@ -1,0 +1,194 @@
+"""The foundation's end-to-end piece, run by `opd demo` until the OPD trainer lands.
+
+It builds the factory student and teacher, turns a scripted multi-turn tool conversation
+into a per-turn `Trajectory` (think dropped from later contexts), scores every turn's
+span with both models given that turn's context, and round-trips the trajectory through
+JSONL. Nothing is trained yet.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from rollout.trajectory import Task, Trajectory, TrajectoryStatus, Turn, read_jsonl, write_jsonl
+from slime_ext.local.factory import materialize
+
+STUDENT = "factory:qwen3-tiny"
+TEACHER = "factory:qwen3-small"
+
+
+def _chat_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    add_generation_prompt: bool,
+) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(encoded["input_ids"])
+
+
+def _without_think(message: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in message.items() if key != "reasoning_content"}
+
+
+def _span_logprobs(
+    model: PreTrainedModel, context_ids: list[int], span_ids: list[int]
+) -> list[float]:
+    """log p(span_ids[i] | context + span[:i]) for each i, log-softmax in fp32."""
+    ids = torch.tensor([context_ids + span_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(context_ids) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(-1, torch.tensor(span_ids)[:, None])[:, 0].tolist()
+
+
+def build_demo_trajectory(tokenizer: Any, conversation: dict[str, Any]) -> Trajectory:
+    """One turn per assistant message; the span is the assistant text as the model writes it."""
+    tools, messages = conversation["tools"], conversation["messages"]
+    # think_policy drop: earlier assistant messages enter later contexts without their think.
+    dropped = [_without_think(m) if m["role"] == "assistant" else m for m in messages]
+    trunk_ids = _chat_ids(tokenizer, dropped, tools, add_generation_prompt=False)
+    turns: list[Turn] = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        context_ids = _chat_ids(tokenizer, dropped[:index], tools, add_generation_prompt=True)
+        # The action as the template writes it, up to and including the end-of-turn id
+        # the sampler stops at.
+        full_ids = _chat_ids(tokenizer, [*dropped[:index], _without_think(message)], tools, False)
+        if full_ids[: len(context_ids)] != context_ids:
+            raise RuntimeError(f"message {index}: the template does not extend the context")
+        action_ids = full_ids[len(context_ids) :]
+        action_ids = action_ids[: action_ids.index(tokenizer.eos_token_id) + 1]
+        think_text = f"<think>\n{message['reasoning_content']}\n</think>\n\n"
+        think_ids = tokenizer(think_text, add_special_tokens=False)["input_ids"]
+        observation = messages[index + 1] if index + 1 < len(messages) else None
+        shared = trunk_ids[: len(context_ids)] == context_ids
+        turns.append(
+            Turn(
+                context_len=len(context_ids) if shared else 0,
+                context_suffix_ids=[] if shared else context_ids,
+                drift=not shared,
+                drift_reason=None if shared else "context is not a prefix of the trunk",
+                span_ids=think_ids + action_ids,
+                think_len=len(think_ids),
+                observation_ids=(
+                    tokenizer(observation["content"], add_special_tokens=False)["input_ids"]
+                    if observation and observation["role"] == "tool"
+                    else []
+                ),
+                finish_reason="stop",
+            )
+        )
+    return Trajectory(
+        trajectory_id="foundation-demo-0",
+        task=Task(task_id="farmer-cows", kind="tir", prompt=messages[1]["content"], answer="47"),
+        think_policy="drop",
+        trunk_ids=trunk_ids,
+        turns=turns,
+        status=TrajectoryStatus.COMPLETED,
+        status_reason="boxed answer",
+        reward=1.0,
+    )
+
+
+def run_foundation_demo(out: Path, seed: int = 0, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console()
+    hf_logging.disable_progress_bar()
+    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    console.print("[bold]opd demo[/bold] (foundation preview: no training yet)")
+    with console.status("building factory student and teacher"):
+        student_dir = materialize(STUDENT, out / "models", seed=seed)
+        teacher_dir = materialize(TEACHER, out / "models", seed=seed)
+        tokenizer = AutoTokenizer.from_pretrained(student_dir)
+        if AutoTokenizer.from_pretrained(teacher_dir).get_vocab() != tokenizer.get_vocab():
+            raise RuntimeError("factory student and teacher tokenizers differ")
+        student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+        teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+
+    conversation = yaml.safe_load(
+        resources.files("launch.data").joinpath("foundation_demo.yaml").read_text()
+    )
+    trajectory = build_demo_trajectory(tokenizer, conversation)
+    for k, turn in enumerate(trajectory.turns):
+        context_ids, span_ids = trajectory.context_ids(k), trajectory.span_ids(k)
+        turn.logprobs = _span_logprobs(student, context_ids, span_ids)
+        turn.teacher_logprobs = _span_logprobs(teacher, context_ids, span_ids)
+    trajectory = Trajectory.model_validate(trajectory.model_dump())
+
+    path = out / "trajectories.jsonl"
+    path.unlink(missing_ok=True)
+    write_jsonl(path, [trajectory])
+    [reloaded] = list(read_jsonl(path))
+    if reloaded != trajectory:
+        raise RuntimeError(f"{path}: the trajectory did not survive the JSONL round-trip")
+
+    table = Table(title="per-turn spans (k_t = student lp - teacher lp, on the span only)")
+    for column in (
+        "turn",
+        "context",
+        "think",
+        "action",
+        "obs",
+        "student lp",
+        "teacher lp",
+        "mean k_t",
+        "drift",
+    ):
+        table.add_column(column, justify="right")
+    kl_terms: list[float] = []
+    for k, turn in enumerate(trajectory.turns):
+        student_lp, teacher_lp = turn.logprobs or [], turn.teacher_logprobs or []
+        k_t = [s - t for s, t in zip(student_lp, teacher_lp, strict=True)]
+        kl_terms += k_t
+        table.add_row(
+            str(k),
+            str(turn.context_total_len),
+            str(turn.think_len),
+            str(len(turn.action_ids)),
+            str(len(turn.observation_ids)),
+            f"{sum(student_lp) / len(student_lp):.3f}",
+            f"{sum(teacher_lp) / len(teacher_lp):.3f}",
+            f"{sum(k_t) / len(k_t):+.3f}",
+            "yes" if turn.drift else "no",
+        )
+    console.print(table)
+
+    per_turn_tokens = sum(t.context_total_len + len(t.span_ids) for t in trajectory.turns)
+    tree_tokens = len(trajectory.trunk_ids) + trajectory.span_token_count()
+    summary = {
+        "student": str(student_dir),
+        "teacher": str(teacher_dir),
+        "num_turns": trajectory.num_turns,
+        "span_tokens": trajectory.span_token_count(),
+        "trunk_tokens": len(trajectory.trunk_ids),
+        "opd_reverse_kl": sum(kl_terms) / len(kl_terms),
+        "per_turn_processed_tokens": per_turn_tokens,
+        "tree_packed_processed_tokens": tree_tokens,
+        "trajectory_jsonl": str(path),
+        "trajectory_bytes": path.stat().st_size,
+        "wall_s": time.perf_counter() - started,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(
+        f"{trajectory.num_turns} turns, {summary['span_tokens']} span tokens, "
+        f"opd_reverse_kl {summary['opd_reverse_kl']:+.4f} (random-init models); scoring "
+        f"per turn processes {per_turn_tokens} tokens, a tree-packed sequence {tree_tokens}. "
+        f"Wrote {path} and {out / 'summary.json'} in {summary['wall_s']:.1f}s.",
+        highlight=False,
+    )
+    return summary

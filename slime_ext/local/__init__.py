@@ -1,0 +1,1 @@
+"""The embedded single-machine trainer and the small-model factory."""

@@ -1,0 +1,30 @@
+"""Shared fixtures. Hypothesis runs a smaller, deadline-free profile under CI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", max_examples=100, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(scope="session")
+def factory_tokenizer():  # type: ignore[no-untyped-def]
+    from slime_ext.local.factory import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def factory_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved factory checkpoint (qwen3-tiny) shared by the session's tests."""
+    from slime_ext.local.factory import build_checkpoint
+
+    return build_checkpoint("qwen3-tiny", tmp_path_factory.mktemp("factory") / "qwen3-tiny")

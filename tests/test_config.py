@@ -1,0 +1,208 @@
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from launch.cli import app
+from launch.config import (
+    ConfigError,
+    JobConfig,
+    apply_overrides,
+    config_from_dict,
+    config_to_yaml,
+    load_config,
+)
+
+EXAMPLES = sorted(
+    Path(str(p)) for p in resources.files("launch.configs").iterdir() if p.name.endswith(".yaml")
+)
+runner = CliRunner()
+
+
+def _write(tmp_path: Path, data: object) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_are_the_embedded_opd_demo() -> None:
+    config = JobConfig()
+    assert config.algorithm.recipe == "opd"
+    assert config.teacher.kind == "embedded"
+    assert config.sandbox.backend == "local"
+    assert config.parallel.gpus_per_node == 0
+    assert config.rollout.top_p == 1.0 and config.rollout.top_k == -1  # OPD samples untruncated
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_config_is_valid(path: Path) -> None:
+    load_config(path)
+
+
+def test_examples_exist() -> None:
+    assert {p.name for p in EXAMPLES} >= {"demo.yaml", "swe-opd-cluster.yaml"}
+
+
+def test_reference_cluster_layout_derives_dp4() -> None:
+    config = load_config(next(p for p in EXAMPLES if p.name == "swe-opd-cluster.yaml"))
+    assert (config.parallel.world_size, config.parallel.dp) == (16, 4)
+    assert config.rollout.max_context_tokens == 65_536
+
+
+def test_yaml_round_trip_of_full_config() -> None:
+    config = JobConfig()
+    assert config_from_dict(yaml.safe_load(config_to_yaml(config))) == config
+
+
+def test_unknown_key_is_named_with_suggestion_and_allowed_keys(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"rollout": {"max_turnz": 4}})
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert "rollout.max_turnz: unknown key; did you mean 'max_turns'?" in message
+    assert "allowed: harness, think_policy," in message
+
+
+def test_unknown_section_lists_the_sections(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="modle: unknown key; did you mean 'model'"):
+        load_config(_write(tmp_path, {"modle": {}}))
+
+
+def test_bad_choice_says_what_is_allowed(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.think_policy: Input should be 'drop' or 'keep' "
+        r"\(got 'sometimes'\)",
+    ):
+        load_config(_write(tmp_path, {"rollout": {"think_policy": "sometimes"}}))
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(_write(tmp_path, {"rollout": {"max_turns": 0, "temperature": -1}}))
+    assert "2 problem(s)" in str(caught.value)
+    assert "rollout.max_turns" in str(caught.value)
+    assert "rollout.temperature" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"parallel": {"gpus_per_node": 4, "tp": 3}}, "does not divide num_nodes"),
+        ({"parallel": {"tp": 2}}, "needs GPUs"),
+        ({"teacher": {"kind": "remote"}}, "kind 'remote' needs url"),
+        ({"teacher": {"model": None}}, "kind 'embedded' needs model"),
+        ({"algorithm": {"recipe": "opsd"}}, "set teacher.kind: self"),
+        ({"teacher": {"kind": "self"}}, "recipe 'opd' needs a separate teacher"),
+        ({"rollout": {"max_new_tokens": 4096, "max_context_tokens": 4096}}, "must be smaller than"),
+        ({"algorithm": {"recipe": "ppo"}}, "algorithm.recipe"),
+    ],
+)
+def test_inconsistent_settings_are_explained(tmp_path: Path, data: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, data))
+
+
+def test_self_teacher_recipes_validate(tmp_path: Path) -> None:
+    config = load_config(
+        _write(tmp_path, {"algorithm": {"recipe": "oprd"}, "teacher": {"kind": "self"}})
+    )
+    assert config.teacher.kind == "self"
+
+
+def test_overrides_parse_values_as_yaml(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"rollout": {"max_turns": 4}})
+    config = load_config(
+        path,
+        [
+            "rollout.max_turns=9",
+            "algorithm.lr=3e-5",
+            "logging.wandb_mode=disabled",
+            "parallel.gpus_per_node=8",
+        ],
+    )
+    assert config.rollout.max_turns == 9
+    assert config.algorithm.lr == pytest.approx(3e-5)
+    assert config.logging.wandb_mode == "disabled"
+    assert config.parallel.dp == 8
+
+
+def test_overrides_do_not_mutate_input() -> None:
+    data = {"rollout": {"max_turns": 4}}
+    apply_overrides(data, ["rollout.max_turns=5"])
+    assert data == {"rollout": {"max_turns": 4}}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.max_turns", "expected section.key=value"),
+        ("rollout.max_turns.deep=1", "max_turns is a value, not a section"),
+    ],
+)
+def test_bad_override_is_explained(tmp_path: Path, override: str, message: str) -> None:
+    path = _write(tmp_path, {"rollout": {"max_turns": 4}})
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [override])
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rollout: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(listed)
+
+
+def test_empty_file_is_the_default(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == JobConfig()
+
+
+def test_cli_validate_ok_and_failure(tmp_path: Path) -> None:
+    good = runner.invoke(app, ["config", "validate", str(EXAMPLES[0])])
+    assert good.exit_code == 0, good.output
+    assert "ok" in good.output
+    bad = runner.invoke(app, ["config", "validate", str(_write(tmp_path, {"rollout": {"x": 1}}))])
+    assert bad.exit_code == 2
+    assert "rollout.x: unknown key" in bad.output
+
+
+def test_cli_validate_applies_set(tmp_path: Path) -> None:
+    path = _write(tmp_path, {})
+    result = runner.invoke(app, ["config", "validate", str(path), "--set", "parallel.tp=2"])
+    assert result.exit_code == 2
+    assert "needs GPUs" in result.output
+
+
+def test_cli_show_prints_full_default() -> None:
+    result = runner.invoke(app, ["config", "show"])
+    assert result.exit_code == 0
+    assert config_from_dict(yaml.safe_load(result.output)) == JobConfig()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["config"],
+        ["factory"],
+        ["demo", "--help"],
+        ["config", "validate", "--help"],
+        ["factory", "build", "--help"],
+    ],
+)
+def test_help_everywhere(args: list[str]) -> None:
+    result = runner.invoke(app, [*args, "--help"] if "--help" not in args else args)
+    assert result.exit_code == 0
+    assert "Usage" in result.output
