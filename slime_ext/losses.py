@@ -1,0 +1,346 @@
+"""Token-level losses of every recipe, as backend-agnostic functions of tensors.
+
+Inputs are flat over tokens: log-probs and masks are [N]; logits are [N, V] (or this
+rank's [N, V/TP] rows with `shard=VocabShard(group, start, real_vocab_size)`; see
+`slime_ext.vocab_parallel`). Each loss returns a `TokenLoss`: the per-token value [N],
+exactly 0 (with 0 gradient) where mask is 0, and detached scalar metrics. Callers choose
+the reduction; `per_trajectory_mean` and `outcome_routed` implement DESIGN.md invariant 7.
+
+Conventions (REFERENCE.md): log-softmax in fp32; temperatures explicit and the same on
+both sides of a KL; the teacher side is never differentiated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from slime_ext.vocab_parallel import (
+    VocabShard,
+    apply_chunked,
+    gather_ids,
+    log_softmax,
+    sum_across_shards,
+    topk_ids,
+)
+
+
+class TokenLoss(NamedTuple):
+    per_token: Tensor
+    """[N]: the loss (or estimator) at each token; 0 where the mask is 0."""
+    metrics: dict[str, Tensor]
+    """Detached scalars, named as they are logged."""
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean over positions where mask is set; 0 when none is."""
+    valid = mask.bool()
+    total = torch.where(valid, values.float(), torch.zeros((), device=values.device)).sum()
+    return total / valid.sum().clamp(min=1)
+
+
+def _zero_masked(values: Tensor, valid: Tensor) -> Tensor:
+    """values where valid, else 0, with no gradient flowing into the masked entries."""
+    return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def sampled_reverse_kl(
+    student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor
+) -> TokenLoss:
+    """k_t = s(x_t) - t(x_t) on each sampled token: an unbiased estimate of KL(p_S || p_T)
+    when x_t ~ p_S. A metric and an advantage, not a trainable loss (its expected gradient
+    is 0); train with `reverse_kl_pg_loss`."""
+    valid = mask.bool()
+    student = student_logprobs.detach().float()
+    teacher = teacher_logprobs.detach().float()
+    k_t = _zero_masked(student - teacher, valid)
+    return TokenLoss(
+        k_t,
+        {
+            "opd_reverse_kl": masked_mean(k_t, valid),
+            "student_gt_teacher_frac": masked_mean((student > teacher).float(), valid),
+        },
+    )
+
+
+def reverse_kl_pg_loss(
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor,
+    old_logprobs: Tensor | None = None,
+    clip: float | tuple[float, float] | None = None,
+) -> TokenLoss:
+    """Policy-gradient form of the sampled reverse KL: advantage A_t = -k_t.
+
+    Fresh samples (old_logprobs None): loss_t = stopgrad(k_t) * s(x_t) in gradient, whose
+    expectation over x_t ~ p_S is the gradient of KL(p_S || p_T). Reused samples: k_t is
+    taken under the sampling policy and the loss is -A_t * ratio_t with ratio_t =
+    exp(s - old), PPO-clipped to [1 - clip, 1 + clip] (or [low, high]) when clip is set.
+    The loss value at a fresh sample equals k_t.
+    """
+    valid = mask.bool()
+    student = _zero_masked(student_logprobs.float(), valid)
+    teacher = _zero_masked(teacher_logprobs.detach().float(), valid)
+    behaviour = (
+        student.detach() if old_logprobs is None else _zero_masked(old_logprobs.float(), valid)
+    )
+    advantage = teacher - behaviour
+    ratio = torch.exp(student - behaviour)
+    loss = -advantage * ratio
+    metrics = {
+        "opd_reverse_kl": masked_mean(-advantage, valid),
+        "student_gt_teacher_frac": masked_mean((behaviour > teacher).float(), valid),
+    }
+    if clip is not None:
+        low, high = (1.0 - clip, 1.0 + clip) if isinstance(clip, (int, float)) else clip
+        if not 0.0 <= low <= 1.0 <= high:
+            raise ValueError(f"clip range must satisfy 0 <= low <= 1 <= high, got {low}, {high}")
+        clipped = -advantage * ratio.clamp(low, high)
+        metrics["pg_clipfrac"] = masked_mean((clipped > loss).float(), valid).detach()
+        loss = torch.maximum(loss, clipped)
+    metrics["ratio_mean"] = masked_mean(ratio.detach(), valid)
+    return TokenLoss(_zero_masked(loss, valid), metrics)
+
+
+def masked_nll(student_logprobs: Tensor, mask: Tensor) -> TokenLoss:
+    """-log p_S(x_t) on loss-carrying tokens (SFT, SSD, OPRD's success branch)."""
+    valid = mask.bool()
+    nll = _zero_masked(-student_logprobs.float(), valid)
+    return TokenLoss(nll, {"nll": masked_mean(nll.detach(), valid)})
+
+
+def _renormalize(logprobs: Tensor) -> Tensor:
+    return logprobs - torch.logsumexp(logprobs, dim=-1, keepdim=True)
+
+
+def topk_shared_support_kl(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    k: int = 100,
+    temperature: float = 1.0,
+    *,
+    shard: VocabShard | None = None,
+    chunk_size: int | None = None,
+) -> TokenLoss:
+    """OPRD's failure branch: U = top-k ids by max(log p_S, log p_T); both renormalized on
+    U; T^2 * KL(p_S|U || stopgrad p_T|U) per token."""
+    shard = shard or VocabShard()
+
+    def kernel(student_chunk: Tensor, teacher_chunk: Tensor, valid_chunk: Tensor) -> Tensor:
+        student = log_softmax(student_chunk, shard, temperature)
+        teacher = log_softmax(teacher_chunk.detach(), shard, temperature)
+        support = topk_ids(torch.maximum(student, teacher), k, shard)
+        student_u = _renormalize(gather_ids(student, support, shard))
+        teacher_u = _renormalize(gather_ids(teacher, support, shard))
+        kl = (student_u.exp() * (student_u - teacher_u)).sum(dim=-1) * temperature**2
+        return _zero_masked(kl, valid_chunk)
+
+    per_token = apply_chunked(kernel, [student_logits, teacher_logits, mask.bool()], chunk_size)
+    return TokenLoss(per_token, {"topk_kl": masked_mean(per_token.detach(), mask)})
+
+
+def teacher_topk_kl(
+    student_logits: Tensor,
+    teacher_topk_ids: Tensor,
+    teacher_topk_logprobs: Tensor,
+    mask: Tensor,
+    temperature: float = 1.0,
+    tail: bool = True,
+    *,
+    tail_floor: float = 1e-8,
+    shard: VocabShard | None = None,
+    chunk_size: int | None = None,
+) -> TokenLoss:
+    """KL(p_S || p_T) against a teacher known only on its top-k ids ([N, k], global ids;
+    log-probs computed at the same temperature, e.g. by the teacher server).
+
+    tail=False renormalizes both sides on the top-k. tail=True keeps both unnormalized and
+    adds one bucket for the rest of the mass on each side (floored at `tail_floor`), so
+    student mass outside the teacher's top-k is penalized.
+    """
+    shard = shard or VocabShard()
+
+    def kernel(
+        student_chunk: Tensor, ids_chunk: Tensor, teacher_chunk: Tensor, valid_chunk: Tensor
+    ) -> Tensor:
+        student_k = gather_ids(log_softmax(student_chunk, shard, temperature), ids_chunk, shard)
+        teacher_k = teacher_chunk.detach().float()
+        if not tail:
+            student_k, teacher_k = _renormalize(student_k), _renormalize(teacher_k)
+        kl = (student_k.exp() * (student_k - teacher_k)).sum(dim=-1)
+        if tail:
+            student_rest = _log_rest(student_k, tail_floor)
+            teacher_rest = _log_rest(teacher_k, tail_floor)
+            kl = kl + student_rest.exp() * (student_rest - teacher_rest)
+        return _zero_masked(kl, valid_chunk)
+
+    tensors = [student_logits, teacher_topk_ids, teacher_topk_logprobs, mask.bool()]
+    per_token = apply_chunked(kernel, tensors, chunk_size)
+    return TokenLoss(per_token, {"teacher_topk_kl": masked_mean(per_token.detach(), mask)})
+
+
+def _log_rest(topk_logprobs: Tensor, floor: float) -> Tensor:
+    """log(1 - sum exp(topk_logprobs)), floored: the log-mass outside the top-k."""
+    covered = torch.logsumexp(topk_logprobs, dim=-1).clamp(max=0.0)
+    return torch.log((-torch.expm1(covered)).clamp(min=floor))
+
+
+def generalized_jsd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    beta: float,
+    temperature: float = 1.0,
+    clip: float | None = None,
+    clip_mode: Literal["vocab", "token"] = "vocab",
+    top_k: int | None = None,
+    *,
+    shard: VocabShard | None = None,
+    chunk_size: int | None = None,
+) -> TokenLoss:
+    """Generalized JSD (TRL GKD/GOLD, OPSD): beta 0 = KL(T || S), 1 = KL(S || T), else
+    beta * KL(T || M) + (1 - beta) * KL(S || M) with M = (1 - beta) P_S + beta P_T.
+
+    clip_mode "vocab" clamps each vocabulary entry's term at `clip` (what OPSD's released
+    jsd_token_clip does); "token" clamps the per-token divergence (what its docs describe).
+    Clamped terms get no gradient. top_k renormalizes both sides on the teacher's top-k.
+    Metrics: kl_true (unclipped divergence), kl_discarded (removed by clipping),
+    clipped_per_token (entries, or 0/1 in token mode), and kl_true percentiles.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if clip_mode not in ("vocab", "token"):
+        raise ValueError(f"clip_mode must be 'vocab' or 'token', got {clip_mode!r}")
+    shard = shard or VocabShard()
+
+    def kernel(student_chunk: Tensor, teacher_chunk: Tensor, valid_chunk: Tensor) -> Tensor:
+        student = log_softmax(student_chunk, shard, temperature)
+        teacher = log_softmax(teacher_chunk.detach(), shard, temperature)
+        sum_vocab = lambda terms: sum_across_shards(terms.sum(dim=-1), shard)  # noqa: E731
+        if top_k is not None:
+            support = topk_ids(teacher, top_k, shard)
+            student = _renormalize(gather_ids(student, support, shard))
+            teacher = _renormalize(gather_ids(teacher, support, shard))
+            sum_vocab = lambda terms: terms.sum(dim=-1)  # noqa: E731  (replicated on U)
+        terms = _jsd_terms(student, teacher, beta)
+        kl_true = sum_vocab(terms)
+        if clip is None:
+            loss, clipped = kl_true, torch.zeros_like(kl_true)
+        elif clip_mode == "vocab":
+            loss = sum_vocab(terms.clamp(max=clip))
+            clipped = sum_vocab((terms.detach() > clip).float())
+        else:
+            loss = kl_true.clamp(max=clip)
+            clipped = (kl_true.detach() > clip).float()
+        columns = [loss, kl_true.detach(), clipped]
+        return torch.stack([_zero_masked(c, valid_chunk) for c in columns], dim=-1)
+
+    valid = mask.bool()
+    out = apply_chunked(kernel, [student_logits, teacher_logits, valid], chunk_size)
+    per_token, kl_true, clipped = out[:, 0], out[:, 1], out[:, 2]
+    metrics = {
+        "kl_true": masked_mean(kl_true, valid),
+        "kl_discarded": masked_mean(kl_true - per_token.detach(), valid),
+        "clipped_per_token": masked_mean(clipped, valid),
+    }
+    if valid.any():
+        levels = torch.tensor([0.5, 0.9, 0.99], dtype=kl_true.dtype, device=kl_true.device)
+        quantiles = torch.quantile(kl_true[valid], levels)
+        metrics.update(kl_true_p50=quantiles[0], kl_true_p90=quantiles[1], kl_true_p99=quantiles[2])
+    return TokenLoss(per_token, metrics)
+
+
+def _jsd_terms(student: Tensor, teacher: Tensor, beta: float) -> Tensor:
+    """Per-entry terms whose vocabulary sum is the generalized JSD."""
+    if beta == 0.0:
+        return teacher.exp() * (teacher - student)
+    if beta == 1.0:
+        return student.exp() * (student - teacher)
+    mixture = torch.logaddexp(student + math.log(1.0 - beta), teacher + math.log(beta))
+    return beta * teacher.exp() * (teacher - mixture) + (1.0 - beta) * student.exp() * (
+        student - mixture
+    )
+
+
+def trajectory_token_weights(
+    mask: Tensor, trajectory_index: Tensor, num_trajectories: int | None = None
+) -> Tensor:
+    """Per-token weights w with sum(loss * w) = mean over trajectories of each one's
+    token-mean loss (invariant 7). A trajectory with no loss tokens contributes 0 and still
+    counts in the mean. Compute over the whole batch; any slice of tokens (a micro-batch,
+    a CP rank) then reduces to its exact share by sum(loss[slice] * w[slice])."""
+    valid = mask.float()
+    if num_trajectories is None:
+        num_trajectories = int(trajectory_index.max()) + 1 if trajectory_index.numel() else 0
+    counts = torch.zeros(num_trajectories, device=mask.device).index_add_(
+        0, trajectory_index, valid
+    )
+    return valid / counts[trajectory_index].clamp(min=1.0) / max(num_trajectories, 1)
+
+
+def weighted_sum(per_token_loss: Tensor, weights: Tensor) -> Tensor:
+    """sum(loss * w), with 0-weight tokens contributing exactly 0 (even if loss is not
+    finite there) and the result connected to the graph even when every weight is 0."""
+    kept = torch.where(weights != 0, per_token_loss, torch.zeros_like(per_token_loss))
+    return (kept * weights).sum()
+
+
+def per_trajectory_mean(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    trajectory_index: Tensor,
+    num_trajectories: int | None = None,
+) -> Tensor:
+    """Token-mean per trajectory over all its turns, then mean over trajectories."""
+    weights = trajectory_token_weights(mask, trajectory_index, num_trajectories)
+    return weighted_sum(per_token_loss, weights)
+
+
+def outcome_routed_weights(
+    mask: Tensor,
+    trajectory_index: Tensor,
+    success: Tensor,
+    lambda_pos: float = 1.0,
+    lambda_neg: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Per-token weights (success branch, failure branch) for OPRD's routing: each branch
+    is the mean over its trajectories of their token-mean loss, scaled by its lambda; an
+    absent branch has all-zero weights. `success` is [num_trajectories] bool."""
+    num_trajectories = success.shape[0]
+    per_trajectory = trajectory_token_weights(mask, trajectory_index, num_trajectories)
+    token_mean = per_trajectory * num_trajectories  # undo the mean over all trajectories
+    success = success.bool()
+    token_success = success[trajectory_index]
+    n_pos = max(int(success.sum()), 1)
+    n_neg = max(int((~success).sum()), 1)
+    zero = torch.zeros_like(token_mean)
+    w_pos = torch.where(token_success, token_mean * (lambda_pos / n_pos), zero)
+    w_neg = torch.where(token_success, zero, token_mean * (lambda_neg / n_neg))
+    return w_pos, w_neg
+
+
+def outcome_routed(
+    success_loss: Tensor,
+    failure_loss: Tensor,
+    mask: Tensor,
+    trajectory_index: Tensor,
+    success: Tensor,
+    lambda_pos: float = 1.0,
+    lambda_neg: float = 1.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """L = lambda_+ L_+ + lambda_- L_-: success trajectories train on `success_loss` (e.g.
+    masked NLL), failure trajectories on `failure_loss` (e.g. top-k shared-support KL)."""
+    w_pos, w_neg = outcome_routed_weights(mask, trajectory_index, success, lambda_pos, lambda_neg)
+    loss_pos = weighted_sum(success_loss, w_pos)
+    loss_neg = weighted_sum(failure_loss, w_neg)
+    metrics = {
+        "success_branch_loss": loss_pos.detach() / lambda_pos if lambda_pos else loss_pos.detach(),
+        "failure_branch_loss": loss_neg.detach() / lambda_neg if lambda_neg else loss_neg.detach(),
+        "success_trajectories": success.bool().sum().float(),
+        "failure_trajectories": (~success.bool()).sum().float(),
+    }
+    return loss_pos + loss_neg, metrics

@@ -1,0 +1,189 @@
+"""Vocabulary-sharded, token-chunked primitives under every full-distribution loss.
+
+A rank's logits hold rows [start, start + V_local) of the vocabulary (Megatron's tensor
+parallel layout; rows at or past the tokenizer's size are padding and are masked out).
+With `VocabShard()` (no group) the same code is the ordinary unsharded computation, so
+the local trainer and slime's Megatron loss run one code path (DESIGN.md invariant 6).
+
+Memory: `apply_chunked` evaluates a per-token kernel over token chunks under activation
+checkpointing, so a loss never keeps more than one chunk's [chunk x V_local] fp32
+intermediates alive; the fused path (`fused_lm_head`) also computes the logits per
+chunk from hidden states and the LM-head weight, so [tokens x vocab] never exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+PAD_LOGIT = -1e30
+"""Stands in for padding rows: finite (so 0 * (s - t) stays 0), never sampled or selected."""
+
+PerTokenKernel = Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Which vocabulary rows this rank's logits hold, and the group that holds the rest."""
+
+    group: Any = None
+    """A torch.distributed process group over the tensor-parallel ranks; None: unsharded."""
+    start: int = 0
+    """Global id of this rank's first row."""
+    real_vocab_size: int | None = None
+    """Ids at or past this are padding rows (Megatron pads the vocabulary); None: no padding."""
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @classmethod
+    def for_rank(
+        cls, group: Any, padded_vocab_size: int, real_vocab_size: int | None = None
+    ) -> VocabShard:
+        """The even split Megatron uses: rank r holds rows [r * V/TP, (r + 1) * V/TP)."""
+        world = dist.get_world_size(group)
+        if padded_vocab_size % world:
+            raise ValueError(f"vocab size {padded_vocab_size} is not divisible by TP {world}")
+        rank = dist.get_rank(group)
+        return cls(group, rank * (padded_vocab_size // world), real_vocab_size)
+
+
+class _SumAcrossShards(torch.autograd.Function):
+    """All-reduce SUM forward; identity backward (every rank computes the same loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def sum_across_shards(tensor: Tensor, shard: VocabShard) -> Tensor:
+    if shard.world_size == 1:
+        return tensor
+    return _SumAcrossShards.apply(tensor, shard.group)
+
+
+def max_across_shards(tensor: Tensor, shard: VocabShard) -> Tensor:
+    """Element-wise max over the group, without gradient (a shift that cancels)."""
+    tensor = tensor.detach().clone()
+    if shard.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=shard.group)
+    return tensor
+
+
+def scaled_logits(logits: Tensor, shard: VocabShard, temperature: float) -> Tensor:
+    """fp32 logits / temperature with padding rows pushed to PAD_LOGIT."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits.float() / temperature
+    if shard.real_vocab_size is not None:
+        global_ids = torch.arange(scaled.shape[-1], device=scaled.device) + shard.start
+        scaled = scaled.masked_fill(global_ids >= shard.real_vocab_size, PAD_LOGIT)
+    return scaled
+
+
+def log_softmax(logits: Tensor, shard: VocabShard, temperature: float = 1.0) -> Tensor:
+    """Local rows of the global log-softmax of logits / temperature, in fp32."""
+    scaled = scaled_logits(logits, shard, temperature)
+    shift = max_across_shards(scaled.max(dim=-1, keepdim=True).values, shard)
+    sum_exp = sum_across_shards(torch.exp(scaled - shift).sum(dim=-1, keepdim=True), shard)
+    return scaled - (shift + torch.log(sum_exp))
+
+
+def gather_ids(local_values: Tensor, global_ids: Tensor, shard: VocabShard) -> Tensor:
+    """values[n, ids[n, j]] for global ids, whichever rank holds the row: [N, K]."""
+    local_ids = global_ids - shard.start
+    held = (local_ids >= 0) & (local_ids < local_values.shape[-1])
+    picked = local_values.gather(-1, local_ids.clamp(0, local_values.shape[-1] - 1))
+    return sum_across_shards(torch.where(held, picked, torch.zeros_like(picked)), shard)
+
+
+def topk_ids(local_scores: Tensor, k: int, shard: VocabShard) -> Tensor:
+    """Global ids of the k largest scores per row over all shards (no gradient): [N, k]."""
+    local_scores = local_scores.detach()
+    local_k = min(k, local_scores.shape[-1])
+    values, ids = local_scores.topk(local_k, dim=-1)
+    ids = ids + shard.start
+    if shard.world_size > 1:
+        all_values = [torch.empty_like(values) for _ in range(shard.world_size)]
+        all_ids = [torch.empty_like(ids) for _ in range(shard.world_size)]
+        dist.all_gather(all_values, values.contiguous(), group=shard.group)
+        dist.all_gather(all_ids, ids.contiguous(), group=shard.group)
+        values, ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)
+    if k > values.shape[-1]:
+        raise ValueError(f"top-k of {k} exceeds the vocabulary size {values.shape[-1]}")
+    best = values.topk(k, dim=-1).indices
+    return ids.gather(-1, best)
+
+
+def apply_chunked(
+    kernel: PerTokenKernel, tensors: Sequence[Tensor | None], chunk_size: int | None
+) -> Tensor:
+    """kernel(*tensors) for per-token tensors, evaluated `chunk_size` tokens at a time.
+
+    Each chunk runs under non-reentrant activation checkpointing: its intermediates are
+    recomputed in backward instead of kept, so the working memory is one chunk's worth.
+    None entries pass through as None.
+    """
+    present = [t for t in tensors if t is not None]
+    num_tokens = present[0].shape[0]
+    if chunk_size is None or chunk_size >= num_tokens:
+        return kernel(*tensors)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in present)
+    outputs = []
+    for begin in range(0, num_tokens, chunk_size):
+        chunk = [None if t is None else t[begin : begin + chunk_size] for t in tensors]
+        if needs_graph:
+            outputs.append(checkpoint(kernel, *chunk, use_reentrant=False))
+        else:
+            outputs.append(kernel(*chunk))
+    return torch.cat(outputs, dim=0)
+
+
+def fused_lm_head(
+    kernel: PerTokenKernel,
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    tensors: Sequence[Tensor | None],
+    chunk_size: int,
+) -> Tensor:
+    """kernel(hidden @ W.T, *tensors) per chunk: the logits exist one chunk at a time.
+
+    `lm_head_weight` is this rank's [V_local, H] rows; the kernel sees local logits.
+    """
+
+    def project_then_kernel(hidden_chunk: Tensor, *rest: Tensor | None) -> Tensor:
+        return kernel(hidden_chunk @ lm_head_weight.t(), *rest)
+
+    return apply_chunked(project_then_kernel, [hidden, *tensors], chunk_size)
+
+
+def token_logprobs(
+    logits: Tensor,
+    token_ids: Tensor,
+    shard: VocabShard | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """log p(token_ids[n]) under softmax(logits[n] / T) over the whole vocabulary: [N]."""
+    shard = shard or VocabShard()
+
+    def kernel(logits_chunk: Tensor, ids_chunk: Tensor) -> Tensor:
+        local = log_softmax(logits_chunk, shard, temperature)
+        return gather_ids(local, ids_chunk[:, None], shard)[:, 0]
+
+    return apply_chunked(kernel, [logits, token_ids], chunk_size)
