@@ -69,10 +69,36 @@ class _SumAcrossShards(torch.autograd.Function):
         return grad, None
 
 
+class _SumAcrossShardsForLocalUse(torch.autograd.Function):
+    """All-reduce SUM forward and backward: for a sum that each rank then combines with
+    its own rows (the normalizer of a sharded softmax), so every rank's graph holds only
+    part of the sum's consumers and the true gradient is the sum of the parts."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
 def sum_across_shards(tensor: Tensor, shard: VocabShard) -> Tensor:
+    """Sum over the group of a value that every rank then uses identically."""
     if shard.world_size == 1:
         return tensor
     return _SumAcrossShards.apply(tensor, shard.group)
+
+
+def _sum_for_local_use(tensor: Tensor, shard: VocabShard) -> Tensor:
+    if shard.world_size == 1:
+        return tensor
+    return _SumAcrossShardsForLocalUse.apply(tensor, shard.group)
 
 
 def max_across_shards(tensor: Tensor, shard: VocabShard) -> Tensor:
@@ -98,7 +124,7 @@ def log_softmax(logits: Tensor, shard: VocabShard, temperature: float = 1.0) -> 
     """Local rows of the global log-softmax of logits / temperature, in fp32."""
     scaled = scaled_logits(logits, shard, temperature)
     shift = max_across_shards(scaled.max(dim=-1, keepdim=True).values, shard)
-    sum_exp = sum_across_shards(torch.exp(scaled - shift).sum(dim=-1, keepdim=True), shard)
+    sum_exp = _sum_for_local_use(torch.exp(scaled - shift).sum(dim=-1, keepdim=True), shard)
     return scaled - (shift + torch.log(sum_exp))
 
 
