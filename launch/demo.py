@@ -21,27 +21,12 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from rollout.trajectory import Task, Trajectory, TrajectoryStatus, Turn, read_jsonl, write_jsonl
+from rollout.chat import ChatRenderer, trajectory_from_conversation
+from rollout.trajectory import Task, Trajectory, read_jsonl, token_accounting, write_jsonl
 from slime_ext.local.factory import materialize
 
 STUDENT = "factory:qwen3-tiny"
 TEACHER = "factory:qwen3-small"
-
-
-def _chat_ids(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    add_generation_prompt: bool,
-) -> list[int]:
-    encoded = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
-    )
-    return list(encoded["input_ids"])
-
-
-def _without_think(message: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in message.items() if key != "reasoning_content"}
 
 
 def _span_logprobs(
@@ -56,52 +41,12 @@ def _span_logprobs(
 
 
 def build_demo_trajectory(tokenizer: Any, conversation: dict[str, Any]) -> Trajectory:
-    """One turn per assistant message; the span is the assistant text as the model writes it."""
-    tools, messages = conversation["tools"], conversation["messages"]
-    # think_policy drop: earlier assistant messages enter later contexts without their think.
-    dropped = [_without_think(m) if m["role"] == "assistant" else m for m in messages]
-    trunk_ids = _chat_ids(tokenizer, dropped, tools, add_generation_prompt=False)
-    turns: list[Turn] = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        context_ids = _chat_ids(tokenizer, dropped[:index], tools, add_generation_prompt=True)
-        # The action as the template writes it, up to and including the end-of-turn id
-        # the sampler stops at.
-        full_ids = _chat_ids(tokenizer, [*dropped[:index], _without_think(message)], tools, False)
-        if full_ids[: len(context_ids)] != context_ids:
-            raise RuntimeError(f"message {index}: the template does not extend the context")
-        action_ids = full_ids[len(context_ids) :]
-        action_ids = action_ids[: action_ids.index(tokenizer.eos_token_id) + 1]
-        think_text = f"<think>\n{message['reasoning_content']}\n</think>\n\n"
-        think_ids = tokenizer(think_text, add_special_tokens=False)["input_ids"]
-        observation = messages[index + 1] if index + 1 < len(messages) else None
-        shared = trunk_ids[: len(context_ids)] == context_ids
-        turns.append(
-            Turn(
-                context_len=len(context_ids) if shared else 0,
-                context_suffix_ids=[] if shared else context_ids,
-                drift=not shared,
-                drift_reason=None if shared else "context is not a prefix of the trunk",
-                span_ids=think_ids + action_ids,
-                think_len=len(think_ids),
-                observation_ids=(
-                    tokenizer(observation["content"], add_special_tokens=False)["input_ids"]
-                    if observation and observation["role"] == "tool"
-                    else []
-                ),
-                finish_reason="stop",
-            )
-        )
-    return Trajectory(
-        trajectory_id="foundation-demo-0",
-        task=Task(task_id="farmer-cows", kind="tir", prompt=messages[1]["content"], answer="47"),
-        think_policy="drop",
-        trunk_ids=trunk_ids,
-        turns=turns,
-        status=TrajectoryStatus.COMPLETED,
-        status_reason="boxed answer",
-        reward=1.0,
+    """One turn per assistant message, each span the ids a model would sample to write it."""
+    renderer = ChatRenderer(tokenizer, tools=conversation["tools"], think_policy="drop")
+    messages = conversation["messages"]
+    task = Task(task_id="farmer-cows", kind="tir", prompt=messages[1]["content"], answer="47")
+    return trajectory_from_conversation(
+        renderer, task, messages, "foundation-demo-0", reason="boxed answer", reward=1.0
     )
 
 
@@ -168,14 +113,15 @@ def run_foundation_demo(out: Path, seed: int = 0, console: Console | None = None
         )
     console.print(table)
 
-    per_turn_tokens = sum(t.context_total_len + len(t.span_ids) for t in trajectory.turns)
-    tree_tokens = len(trajectory.trunk_ids) + trajectory.span_token_count()
-    summary = {
+    accounting = token_accounting(trajectory)
+    per_turn_tokens = int(accounting["per_turn_processed_tokens"])
+    tree_tokens = int(accounting["tree_packed_processed_tokens"])
+    summary: dict[str, Any] = {
         "student": str(student_dir),
         "teacher": str(teacher_dir),
         "num_turns": trajectory.num_turns,
-        "span_tokens": trajectory.span_token_count(),
-        "trunk_tokens": len(trajectory.trunk_ids),
+        "span_tokens": int(accounting["span_tokens"]),
+        "trunk_tokens": int(accounting["trunk_tokens"]),
         "opd_reverse_kl": sum(kl_terms) / len(kl_terms),
         "per_turn_processed_tokens": per_turn_tokens,
         "tree_packed_processed_tokens": tree_tokens,

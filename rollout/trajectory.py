@@ -84,7 +84,8 @@ class Turn(BaseModel):
     teacher_logprobs: list[float] | None = None
     """The teacher's log-prob of each span id, given the teacher's context."""
     observation_ids: list[int] = Field(default_factory=list)
-    """The tool's answer as it enters the next context (empty after the last action)."""
+    """The tool's output tokenized on its own, for token accounting (the trunk holds it as
+    the template renders it); empty when the turn got no observation."""
     mask_tier: MaskTier = MaskTier.VALID
     """Invalid-action tier; imitation losses give tiers 1 and 2 loss mask 0."""
     drift: bool = False
@@ -194,6 +195,32 @@ class Trajectory(BaseModel):
     @classmethod
     def from_json_line(cls, line: str) -> Trajectory:
         return cls.model_validate_json(line)
+
+
+def token_accounting(trajectory: Trajectory) -> dict[str, float]:
+    """Per-turn token counts of one trajectory, and what training on it would process:
+    one sequence per turn (context + span each) or one tree-packed sequence (trunk once,
+    every span once, drifted turns' own context parts once)."""
+    turns = trajectory.turns
+    count = max(len(turns), 1)
+    span_tokens = trajectory.span_token_count()
+    return {
+        "num_turns": float(len(turns)),
+        "tokens_per_turn": span_tokens / count,
+        "think_tokens_per_turn": sum(turn.think_len for turn in turns) / count,
+        "action_tokens_per_turn": sum(len(turn.action_ids) for turn in turns) / count,
+        "observation_tokens_per_turn": sum(len(turn.observation_ids) for turn in turns) / count,
+        "trunk_tokens": float(len(trajectory.trunk_ids)),
+        "span_tokens": float(span_tokens),
+        "per_turn_processed_tokens": float(
+            sum(turn.context_total_len + len(turn.span_ids) for turn in turns)
+        ),
+        "tree_packed_processed_tokens": float(
+            len(trajectory.trunk_ids)
+            + span_tokens
+            + sum(len(turn.context_suffix_ids) for turn in turns)
+        ),
+    }
 
 
 def write_jsonl(path: str | Path, trajectories: Iterable[Trajectory]) -> int:
