@@ -1,0 +1,73 @@
+"""The teacher service's wire format: every request and response is a pydantic model."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class ScoreItem(BaseModel):
+    """Score input_ids[span_start:] given everything before each token."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[TokenId] = Field(min_length=2)
+    """Context then span, as token ids of the teacher's tokenizer."""
+    span_start: StrictInt = Field(ge=1)
+    """Index of the first scored token; the span runs to the end of input_ids."""
+    top_k: StrictInt = Field(default=0, ge=0)
+    """Also return the k most likely ids (and their log-probs) at each span position."""
+    session_id: StrictStr | None = Field(default=None, max_length=256)
+    """Requests of one trajectory share a session, so each turn reuses the last one's prefix."""
+    temperature: StrictFloat | StrictInt = Field(default=1.0, gt=0)
+    """Log-probs are of softmax(logits / temperature)."""
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    requests: list[ScoreItem] = Field(min_length=1)
+
+
+class ScoreResult(BaseModel):
+    logprobs: list[float]
+    """logprobs[i] = log p(input_ids[span_start + i] | input_ids[:span_start + i])."""
+    top_k_ids: list[list[int]] | None = None
+    top_k_logprobs: list[list[float]] | None = None
+    cached_tokens: int = 0
+    """Prefix tokens reused from the session's cache instead of computed."""
+
+
+class ScoreResponse(BaseModel):
+    results: list[ScoreResult]
+
+
+class SessionDeleted(BaseModel):
+    session_id: str
+    deleted: bool
+    """False when the session was not cached (already evicted, or never seen)."""
+
+
+class ServerInfo(BaseModel):
+    model: str
+    tokenizer: str
+    """Identity of the tokenizer: name and a hash of its vocabulary; compare with yours."""
+    vocab_size: int
+    """Ids at or above this are rejected."""
+    max_context: int
+    backend: Literal["hf", "sglang"]
+    max_top_k: int
+    max_batch_size: int
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx answer: what went wrong, naming the field where one is at fault."""
+
+    detail: str

@@ -1,0 +1,140 @@
+"""The HTTP service: FastAPI over a scoring backend."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from teacher_server.api import (
+    ErrorBody,
+    Health,
+    ScoreRequest,
+    ScoreResponse,
+    ServerInfo,
+    SessionDeleted,
+)
+from teacher_server.backend import BackendFailure, BadScoreRequest, Overloaded, ScoringBackend
+from teacher_server.metrics import ServerMetrics
+
+RETRY_AFTER_S = 1
+BEARER = HTTPBearer(auto_error=False)
+
+
+class AuthError(Exception):
+    pass
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    meaning = {
+        400: "Bad input; the message names the field",
+        401: "Missing or wrong API key",
+        422: "Malformed request body",
+        500: "The backend failed",
+        503: "Queue full; retry after the Retry-After header",
+    }
+    return {code: {"model": ErrorBody, "description": meaning[code]} for code in codes}
+
+
+def create_app(
+    backend: ScoringBackend, metrics: ServerMetrics, api_key: str | None = None
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    app = FastAPI(
+        title="opd-teacher",
+        version="1",
+        description="Teacher log-probs of given token spans, with per-session prefix reuse.",
+        lifespan=lifespan,
+    )
+
+    def authorize(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+    ) -> None:
+        if api_key is None:
+            return
+        if credentials is None or not secrets.compare_digest(credentials.credentials, api_key):
+            raise AuthError()
+
+    @app.exception_handler(AuthError)
+    async def _unauthorized(_: Request, __: AuthError) -> JSONResponse:
+        return JSONResponse(
+            {"detail": "missing or wrong bearer token"},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        problems = []
+        for error in err.errors():
+            where = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
+            problems.append(f"{where}: {error['msg']}")
+        return JSONResponse({"detail": "; ".join(problems)}, status_code=422)
+
+    @app.post(
+        "/v1/score",
+        response_model=ScoreResponse,
+        dependencies=[Depends(authorize)],
+        responses=_errors(400, 401, 422, 500, 503),
+    )
+    async def score(request: ScoreRequest) -> Any:
+        started = time.perf_counter()
+        status = 200
+        try:
+            results = await backend.score(request.requests)
+            return ScoreResponse(results=results)
+        except BadScoreRequest as err:
+            status = 400
+            return JSONResponse({"detail": str(err)}, status_code=400)
+        except Overloaded as err:
+            status = 503
+            return JSONResponse(
+                {"detail": str(err)}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+            )
+        except BackendFailure as err:
+            status = 500
+            return JSONResponse({"detail": str(err)}, status_code=500)
+        finally:
+            metrics.observe_request(len(request.requests), time.perf_counter() - started, status)
+
+    @app.delete(
+        "/v1/sessions/{session_id}",
+        response_model=SessionDeleted,
+        dependencies=[Depends(authorize)],
+        responses=_errors(401, 422),
+    )
+    async def delete_session(session_id: str) -> SessionDeleted:
+        return SessionDeleted(session_id=session_id, deleted=await backend.drop_session(session_id))
+
+    @app.get(
+        "/v1/info",
+        response_model=ServerInfo,
+        dependencies=[Depends(authorize)],
+        responses=_errors(401),
+    )
+    async def info() -> ServerInfo:
+        return backend.info()
+
+    @app.get("/health", response_model=Health)
+    async def health() -> Health:
+        return Health(status="ok")
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> str:
+        return metrics.render(backend.metrics_text())
+
+    return app

@@ -1,0 +1,117 @@
+"""`opd-teacher`: run the teacher service."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+app = typer.Typer(
+    name="opd-teacher",
+    help="The standalone teacher log-prob service.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+FACTORY_CACHE = Path(os.environ.get("OPD_CACHE_DIR", Path.home() / ".cache" / "opd")) / "factory"
+
+
+@app.callback()
+def _root() -> None:
+    """The standalone teacher log-prob service."""
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        str,
+        typer.Option(
+            help="HF model directory, or factory:<preset>. With "
+            "--backend sglang: the served model's directory "
+            "(its tokenizer is read from it)."
+        ),
+    ],
+    backend: Annotated[str, typer.Option(help="hf (transformers) or sglang.")] = "hf",
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="OPD_TEACHER_API_KEY", help="Require this bearer token (or set the env var)."
+        ),
+    ] = None,
+    sglang_url: Annotated[str, typer.Option(help="SGLang server (backend sglang).")] = (
+        "http://127.0.0.1:30000"
+    ),
+    device: Annotated[str, typer.Option(help="hf: torch device.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="hf: float32, bfloat16 or float16.")] = "float32",
+    max_context: Annotated[int | None, typer.Option(help="Longest input accepted.")] = None,
+    max_top_k: Annotated[int, typer.Option(help="Largest top_k accepted.")] = 100,
+    max_batch_size: Annotated[int, typer.Option(help="Items per forward (hf).")] = 32,
+    max_wait_ms: Annotated[float, typer.Option(help="Batch collection window (hf).")] = 5.0,
+    max_queue: Annotated[int, typer.Option(help="Items queued before 503.")] = 1024,
+    cache_budget_mb: Annotated[float, typer.Option(help="Session cache budget (hf).")] = 1024.0,
+    snapshot_every: Annotated[
+        int, typer.Option(help="hf, hybrid models: recurrent-state snapshot interval in tokens.")
+    ] = 512,
+    seed: Annotated[int, typer.Option(help="Seed of a factory: model.")] = 0,
+) -> None:
+    """Serve POST /v1/score (see /docs for the API)."""
+    import uvicorn
+
+    from teacher_server.app import create_app
+    from teacher_server.backend import ScoringBackend
+    from teacher_server.metrics import ServerMetrics
+
+    chosen = _backend_name(backend)
+    metrics = ServerMetrics()
+    scoring: ScoringBackend
+    if chosen == "hf":
+        from slime_ext.local.factory import materialize
+        from teacher_server.hf_backend import HFBackend
+
+        model_dir = materialize(model, FACTORY_CACHE, seed=seed)
+        scoring = HFBackend(
+            model_dir,
+            metrics,
+            device=device,
+            dtype=dtype,
+            max_context=max_context,
+            max_top_k=max_top_k,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_queue=max_queue,
+            cache_budget_mb=cache_budget_mb,
+            snapshot_every=snapshot_every,
+        )
+    else:
+        from transformers import AutoTokenizer
+
+        from teacher_server.hf_backend import tokenizer_identity
+        from teacher_server.sglang_backend import SGLangBackend
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        scoring = SGLangBackend(
+            sglang_url,
+            tokenizer,
+            metrics,
+            model_name=model,
+            tokenizer_identity=tokenizer_identity(tokenizer),
+            max_context=max_context,
+            max_top_k=max_top_k,
+            max_queue=max_queue,
+        )
+    typer.echo(f"opd-teacher: {chosen} backend, model {model}, http://{host}:{port}")
+    uvicorn.run(create_app(scoring, metrics, api_key), host=host, port=port, log_level="warning")
+
+
+def _backend_name(name: str) -> Literal["hf", "sglang"]:
+    if name not in ("hf", "sglang"):
+        raise typer.BadParameter(f"backend must be 'hf' or 'sglang', not {name!r}")
+    return "hf" if name == "hf" else "sglang"
+
+
+def main() -> None:
+    app()

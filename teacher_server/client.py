@@ -1,0 +1,167 @@
+"""The async client of the teacher service: the only way rollout and training code call it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from teacher_server.api import (
+    ScoreItem,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreResult,
+    ServerInfo,
+    SessionDeleted,
+)
+
+
+class TeacherError(RuntimeError):
+    """Any failure talking to the teacher service."""
+
+
+class TeacherBadRequest(TeacherError):
+    """The service refused the request (HTTP 400/422); the message names the field."""
+
+
+class TeacherUnauthorized(TeacherError):
+    """Missing or wrong API key (HTTP 401)."""
+
+
+class TeacherOverloaded(TeacherError):
+    """Still 503 after every retry."""
+
+
+class TeacherUnavailable(TeacherError):
+    """Connection failures after every retry."""
+
+
+class TeacherTimeout(TeacherError):
+    """A request ran past its deadline."""
+
+
+class TeacherClient:
+    """`async with TeacherClient(url) as teacher: results = await teacher.score(items)`.
+
+    At most `max_concurrency` requests in flight; each has a deadline of `timeout_s`;
+    connection errors and 503 answers are retried `retries` times with jittered
+    exponential backoff (honouring Retry-After); 4xx answers are not retried.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        max_concurrency: int = 16,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=max_concurrency),
+            transport=transport,
+        )
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    async def __aenter__(self) -> TeacherClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def score(self, items: Sequence[ScoreItem]) -> list[ScoreResult]:
+        body = ScoreRequest(requests=list(items)).model_dump(mode="json")
+        payload = await self._call("POST", "/v1/score", json=body)
+        results = ScoreResponse.model_validate(payload).results
+        for item, result in zip(items, results, strict=True):
+            expected = len(item.input_ids) - item.span_start
+            if len(result.logprobs) != expected:  # invariant 2: asserted, never trimmed
+                raise TeacherError(
+                    f"teacher returned {len(result.logprobs)} log-probs for a span of {expected}"
+                )
+        return results
+
+    async def score_span(
+        self,
+        input_ids: Sequence[int],
+        span_start: int,
+        *,
+        top_k: int = 0,
+        session_id: str | None = None,
+        temperature: float = 1.0,
+    ) -> ScoreResult:
+        item = ScoreItem(
+            input_ids=list(input_ids),
+            span_start=span_start,
+            top_k=top_k,
+            session_id=session_id,
+            temperature=temperature,
+        )
+        return (await self.score([item]))[0]
+
+    async def drop_session(self, session_id: str) -> bool:
+        payload = await self._call("DELETE", f"/v1/sessions/{session_id}")
+        return SessionDeleted.model_validate(payload).deleted
+
+    async def info(self) -> ServerInfo:
+        return ServerInfo.model_validate(await self._call("GET", "/v1/info"))
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        attempt = 0
+        while True:
+            try:
+                async with self._semaphore:
+                    response = await self._http.request(method, path, **kwargs)
+            except httpx.TimeoutException as err:
+                raise TeacherTimeout(f"{method} {path}: no answer in time ({err})") from err
+            except httpx.TransportError as err:
+                if attempt >= self.retries:
+                    raise TeacherUnavailable(f"{method} {path}: {err}") from err
+                await self._sleep(attempt, None)
+                attempt += 1
+                continue
+            if response.status_code == 200:
+                return response.json()
+            detail = _detail(response)
+            if response.status_code in (400, 404, 422):
+                raise TeacherBadRequest(f"{method} {path}: {detail}")
+            if response.status_code == 401:
+                raise TeacherUnauthorized(f"{method} {path}: {detail}")
+            if response.status_code == 503:
+                if attempt >= self.retries:
+                    raise TeacherOverloaded(
+                        f"{method} {path}: still overloaded after {self.retries} retries: {detail}"
+                    )
+                await self._sleep(attempt, response.headers.get("Retry-After"))
+                attempt += 1
+                continue
+            raise TeacherError(f"{method} {path}: {response.status_code} {detail}")
+
+    async def _sleep(self, attempt: int, retry_after: str | None) -> None:
+        delay = self.backoff_s * (2**attempt) * (0.5 + random.random())
+        if retry_after is not None:
+            with contextlib.suppress(ValueError):
+                delay = max(delay, float(retry_after))
+        await asyncio.sleep(delay)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))
+    except ValueError:
+        return response.text[:500]

@@ -1,0 +1,297 @@
+"""The transformers backend: a local model, micro-batched, with per-session prefix reuse.
+
+Stateless requests that arrive together are scored in one left-padded forward. Session
+requests reuse the longest prefix they share with the session's cached ids (a request
+need not extend the previous one: think is dropped, hints are inserted), and only the
+rest is computed; hybrid models restart from a recurrent-state snapshot taken at the end
+of each turn's context. Log-softmax in fp32 with the temperature applied to the logits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from slime_ext.vocab_parallel import VocabShard, log_softmax
+from teacher_server.api import ScoreItem, ScoreResult, ServerInfo
+from teacher_server.backend import BackendFailure, Overloaded, check_items
+from teacher_server.metrics import ServerMetrics
+from teacher_server.session_cache import SessionCache, SessionState, rewind, snapshot
+
+BatchRunner = Callable[[list[ScoreItem]], list["ScoreResult | Exception"]]
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    digest = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    return f"{tokenizer.name_or_path or 'tokenizer'}@{digest}"
+
+
+class HFScorer:
+    """Synchronous scoring on one model; called from one worker thread at a time."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        metrics: ServerMetrics,
+        cache_budget_bytes: int,
+        snapshot_every: int = 512,
+    ) -> None:
+        self.model = model.eval()
+        self.metrics = metrics
+        self.sessions = SessionCache(cache_budget_bytes)
+        layer_types = getattr(model.config, "layer_types", None) or []
+        self.is_hybrid = "linear_attention" in layer_types
+        self.device = next(model.parameters()).device
+        self.snapshot_every = snapshot_every
+        """Hybrid models: also snapshot every this many tokens, so a request that diverges
+        mid-context (a hint inserted) reuses up to the last snapshot before it."""
+
+    def score_batch(self, items: list[ScoreItem]) -> list[ScoreResult | Exception]:
+        results: list[ScoreResult | Exception | None] = [None] * len(items)
+        stateless = [i for i, item in enumerate(items) if item.session_id is None]
+        if stateless and not self.is_hybrid:
+            try:
+                batch = self._score_padded([items[i] for i in stateless])
+                for index, result in zip(stateless, batch, strict=True):
+                    results[index] = result
+            except Exception:
+                pass
+        for index, item in enumerate(items):
+            if results[index] is not None:
+                continue
+            try:
+                results[index] = (
+                    self._score_session(item)
+                    if item.session_id is not None
+                    else self._score_padded([item])[0]
+                )
+            except Exception as err:
+                results[index] = BackendFailure(f"scoring failed: {type(err).__name__}: {err}")
+        return [r for r in results if r is not None]
+
+    def _span_result(self, rows: Tensor, item: ScoreItem, cached: int) -> ScoreResult:
+        """rows[i] are the logits that predict input_ids[span_start + i]."""
+        targets = torch.tensor(item.input_ids[item.span_start :], device=rows.device)
+        logprobs = log_softmax(rows, VocabShard(), float(item.temperature))
+        result = ScoreResult(
+            logprobs=logprobs.gather(-1, targets[:, None])[:, 0].tolist(), cached_tokens=cached
+        )
+        if item.top_k:
+            top = logprobs.topk(item.top_k, dim=-1)
+            result.top_k_ids = top.indices.tolist()
+            result.top_k_logprobs = top.values.tolist()
+        self.metrics.add_tokens(scored=len(targets), cached=cached)
+        return result
+
+    @torch.no_grad()
+    def _score_padded(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        width = max(len(item.input_ids) for item in items)
+        keep = max(len(item.input_ids) - item.span_start + 1 for item in items)
+        pad = 0
+        input_ids = torch.full((len(items), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(items), width), dtype=torch.long)
+        for row, item in enumerate(items):
+            input_ids[row, width - len(item.input_ids) :] = torch.tensor(item.input_ids)
+            attention[row, width - len(item.input_ids) :] = 1
+        padding: dict[str, Tensor] = {}
+        if not bool(attention.all()):  # left padding: real tokens keep positions 0, 1, ...
+            padding["attention_mask"] = attention.to(self.device)
+            padding["position_ids"] = (attention.cumsum(-1) - 1).clamp(min=0).to(self.device)
+        logits = self.model(
+            input_ids=input_ids.to(self.device), use_cache=False, logits_to_keep=keep, **padding
+        ).logits
+        self.metrics.add_tokens(computed=input_ids.numel())
+        results = []
+        for row, item in enumerate(items):
+            span = len(item.input_ids) - item.span_start
+            start = keep - span - 1
+            results.append(self._span_result(logits[row, start : start + span], item, 0))
+        return results
+
+    @torch.no_grad()
+    def _score_session(self, item: ScoreItem) -> ScoreResult:
+        assert item.session_id is not None
+        with self.sessions.lock(item.session_id):
+            state = self.sessions.take(item.session_id)
+            ids = list(item.input_ids)
+            reused = state.reuse_length(ids, limit=item.span_start - 1) if state else 0
+            if state is None or reused == 0:
+                state = SessionState(ids=[], cache=DynamicCache(config=self.model.config))
+            else:
+                rewind(state.cache, reused, state.snapshots)
+                state.snapshots = {p: s for p, s in state.snapshots.items() if p <= reused}
+            # The context ends at span_start: the next turn's context extends at least that far.
+            bounds = [len(ids)]
+            if self.is_hybrid:
+                periodic = range(
+                    reused + self.snapshot_every - reused % self.snapshot_every,
+                    item.span_start,
+                    self.snapshot_every,
+                )
+                bounds = sorted({*periodic, item.span_start, len(ids)})
+            rows, begin = [], reused
+            for end in bounds:
+                # only the logits that predict span tokens (and one past the end) are computed
+                keep = end - max(begin, item.span_start - 1)
+                logits = self.model(
+                    input_ids=torch.tensor([ids[begin:end]], device=self.device),
+                    cache=state.cache,
+                    use_cache=True,
+                    logits_to_keep=max(keep, 1),  # 0 would mean "all" to transformers
+                ).logits[0]
+                self.metrics.add_tokens(computed=end - begin)
+                if keep > 0:
+                    rows.append(logits)
+                if self.is_hybrid:
+                    state.snapshots[end] = snapshot(state.cache)
+                begin = end
+            state.ids = ids
+            span_rows = torch.cat(rows)[: len(ids) - item.span_start]
+            result = self._span_result(span_rows, item, reused)
+            self.sessions.put(item.session_id, state)
+            return result
+
+
+class MicroBatcher:
+    """Collects concurrently submitted items into batches for one worker thread."""
+
+    def __init__(
+        self, run_batch: BatchRunner, max_batch_size: int, max_wait_s: float, max_queue: int
+    ) -> None:
+        self.run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.max_queue = max_queue
+        self.pending = 0
+        self._queue: asyncio.Queue[tuple[ScoreItem, asyncio.Future[ScoreResult]]] = asyncio.Queue()
+        self._worker: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._worker = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._worker:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+
+    async def submit(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        if self.pending + len(items) > self.max_queue:
+            raise Overloaded(f"{self.pending} items queued (bound {self.max_queue}); retry later")
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in items]
+        self.pending += len(items)
+        for item, future in zip(items, futures, strict=True):
+            self._queue.put_nowait((item, future))
+        try:
+            return list(await asyncio.gather(*futures))
+        finally:
+            self.pending -= len(items)
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            deadline = time.monotonic() + self.max_wait_s
+            while len(batch) < self.max_batch_size:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+                except asyncio.TimeoutError:
+                    break
+            live = [(item, future) for item, future in batch if not future.done()]
+            try:
+                results = await asyncio.to_thread(self.run_batch, [item for item, _ in live])
+            except Exception as err:
+                results = [BackendFailure(f"batch failed: {err}")] * len(live)
+            for (_, future), result in zip(live, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+
+class HFBackend:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        metrics: ServerMetrics,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_context: int | None = None,
+        max_top_k: int = 100,
+        max_batch_size: int = 32,
+        max_wait_ms: float = 5.0,
+        max_queue: int = 1024,
+        cache_budget_mb: float = 1024.0,
+        snapshot_every: int = 512,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)
+        )
+        torch.nn.Module.to(model, torch.device(device))
+        self.scorer = HFScorer(model, metrics, int(cache_budget_mb * 2**20), snapshot_every)
+        config_context = getattr(model.config, "max_position_embeddings", None) or 4096
+        self._info = ServerInfo(
+            model=self.model_dir,
+            tokenizer=tokenizer_identity(tokenizer),
+            vocab_size=min(len(tokenizer), model.config.vocab_size),
+            max_context=min(max_context or config_context, config_context),
+            backend="hf",
+            max_top_k=max_top_k,
+            max_batch_size=max_batch_size,
+        )
+        self.batcher = MicroBatcher(
+            self.scorer.score_batch, max_batch_size, max_wait_ms / 1000.0, max_queue
+        )
+
+    def info(self) -> ServerInfo:
+        return self._info
+
+    async def start(self) -> None:
+        self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+
+    async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        check_items(items, self._info)
+        return await self.batcher.submit(items)
+
+    async def drop_session(self, session_id: str) -> bool:
+        return self.scorer.sessions.drop(session_id)
+
+    def metrics_text(self) -> str:
+        sessions = self.scorer.sessions
+        return (
+            "\n".join(
+                [
+                    "# TYPE opd_teacher_queue_depth gauge",
+                    f"opd_teacher_queue_depth {self.batcher.pending}",
+                    "# TYPE opd_teacher_sessions gauge",
+                    f"opd_teacher_sessions {len(sessions)}",
+                    "# TYPE opd_teacher_cache_bytes gauge",
+                    f"opd_teacher_cache_bytes {sessions.total_bytes}",
+                    "# TYPE opd_teacher_cache_budget_bytes gauge",
+                    f"opd_teacher_cache_budget_bytes {sessions.budget_bytes}",
+                    "# TYPE opd_teacher_cache_evictions_total counter",
+                    f"opd_teacher_cache_evictions_total {sessions.evictions}",
+                ]
+            )
+            + "\n"
+        )

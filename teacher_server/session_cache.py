@@ -1,0 +1,130 @@
+"""Per-session model state for prefix reuse, under a memory budget with LRU eviction.
+
+A session holds the ids its cache covers, the cache itself (keys/values of full-attention
+layers, recurrent state of linear-attention layers) and, for hybrid models, snapshots of
+the linear-attention layers at earlier positions: a recurrent state cannot be cropped back
+to an earlier length, so reuse can only restart from a snapshotted position.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+LayerSnapshot = dict[int, Any]
+"""layer index -> a deep copy of that linear-attention layer's cache."""
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor reachable from a cache layer (keys, values, conv, recurrent)."""
+    total = 0
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            total += sum(
+                v.numel() * v.element_size() for v in value.values() if isinstance(v, torch.Tensor)
+            )
+    return total
+
+
+def linear_layer_indices(cache: DynamicCache) -> list[int]:
+    return [
+        i
+        for i, layer in enumerate(cache.layers)
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    ]
+
+
+def snapshot(cache: DynamicCache) -> LayerSnapshot:
+    return {i: copy.deepcopy(cache.layers[i]) for i in linear_layer_indices(cache)}
+
+
+def rewind(cache: DynamicCache, to_length: int, snapshots: dict[int, LayerSnapshot]) -> None:
+    """Put the cache back to covering the first `to_length` ids, in place."""
+    drop = cache.get_seq_length() - to_length
+    linear = set(linear_layer_indices(cache))
+    if linear and to_length not in snapshots:
+        raise ValueError(f"no recurrent-state snapshot at position {to_length}")
+    for index, layer in enumerate(cache.layers):
+        if index in linear:
+            cache.layers[index] = copy.deepcopy(snapshots[to_length][index])
+        elif drop > 0:
+            cast(Any, layer).crop(-drop)
+
+
+@dataclass
+class SessionState:
+    ids: list[int]
+    cache: DynamicCache
+    snapshots: dict[int, LayerSnapshot] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        layers = sum(tensor_bytes(layer) for layer in self.cache.layers)
+        snaps = sum(
+            tensor_bytes(layer) for snap in self.snapshots.values() for layer in snap.values()
+        )
+        return layers + snaps
+
+    def reuse_length(self, ids: list[int], limit: int) -> int:
+        """How many leading ids of a new request this state can serve (at most `limit`)."""
+        shared = 0
+        for cached, new in zip(self.ids, ids, strict=False):
+            if cached != new or shared >= limit:
+                break
+            shared += 1
+        if not linear_layer_indices(self.cache):
+            return shared
+        return max((p for p in self.snapshots if p <= shared), default=0)
+
+
+class SessionCache:
+    """session id -> SessionState, least recently used evicted first past the budget.
+
+    A state is taken out while a request computes on it and put back after, so a failed
+    request loses the session's cache instead of leaving it half-updated.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._states: OrderedDict[str, tuple[SessionState, int]] = OrderedDict()
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.evictions = 0
+
+    def lock(self, session_id: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(session_id, threading.Lock())
+
+    def take(self, session_id: str) -> SessionState | None:
+        with self._guard:
+            entry = self._states.pop(session_id, None)
+        return entry[0] if entry else None
+
+    def put(self, session_id: str, state: SessionState) -> None:
+        size = state.nbytes
+        with self._guard:
+            self._states[session_id] = (state, size)
+            while self._states and self.total_bytes > self.budget_bytes:
+                self._states.popitem(last=False)
+                self.evictions += 1
+
+    def drop(self, session_id: str) -> bool:
+        with self._guard:
+            self._locks.pop(session_id, None)
+            return self._states.pop(session_id, None) is not None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self._states.values())
+
+    def __len__(self) -> int:
+        return len(self._states)
