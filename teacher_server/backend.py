@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import hashlib
+import json
+from typing import Any, Protocol
 
 from teacher_server.api import ScoreItem, ScoreResult, ServerInfo
 
@@ -59,3 +61,11 @@ def check_items(items: list[ScoreItem], info: ServerInfo) -> None:
                     f"{where}.input_ids[{position}]: id {token} is outside the vocabulary "
                     f"(size {info.vocab_size})"
                 )
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """Name and vocabulary hash: two tokenizers with the same identity map text to the same
+    ids, which teacher and student must share (or the teacher scores other tokens)."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    digest = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    return f"{tokenizer.name_or_path or 'tokenizer'}@{digest}"

@@ -89,7 +89,7 @@ def serve(
     else:
         from transformers import AutoTokenizer
 
-        from teacher_server.hf_backend import tokenizer_identity
+        from teacher_server.backend import tokenizer_identity
         from teacher_server.sglang_backend import SGLangBackend
 
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -10,12 +10,9 @@ of each turn's context. Log-softmax in fp32 with the temperature applied to the 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,17 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from slime_ext.vocab_parallel import VocabShard, log_softmax
 from teacher_server.api import ScoreItem, ScoreResult, ServerInfo
-from teacher_server.backend import BackendFailure, Overloaded, check_items
+from teacher_server.backend import BackendFailure, Overloaded, check_items, tokenizer_identity
 from teacher_server.metrics import ServerMetrics
 from teacher_server.session_cache import SessionCache, SessionState, rewind, snapshot
 
 BatchRunner = Callable[[list[ScoreItem]], list["ScoreResult | Exception"]]
-
-
-def tokenizer_identity(tokenizer: Any) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    digest = hashlib.sha256(vocab.encode()).hexdigest()[:16]
-    return f"{tokenizer.name_or_path or 'tokenizer'}@{digest}"
 
 
 class HFScorer:

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slime_ext.local.factory import build_checkpoint
 from teacher_server.api import ScoreItem
 from teacher_server.app import create_app
+from teacher_server.backend import tokenizer_identity
 from teacher_server.client import TeacherClient, TeacherError
-from teacher_server.hf_backend import tokenizer_identity
 from teacher_server.metrics import ServerMetrics
 from teacher_server.sglang_backend import ROUTING_HEADER, SGLangBackend
 from tests.live_server import serve_in_thread
@@ -139,7 +139,8 @@ def test_out_of_vocabulary_ids_never_reach_sglang(teacher_url: str, standin_url:
 def test_misaligned_answers_are_caught(model_dir: Path, model: Any) -> None:
     with (
         serve_in_thread(create_standin(model, 1024, misalign=True)) as upstream,
-        _teacher(model_dir, upstream) as url,pytest.raises(TeacherError, match="misaligned")
+        _teacher(model_dir, upstream) as url,
+        pytest.raises(TeacherError, match="misaligned"),
     ):
         _score(url, [ScoreItem(input_ids=IDS, span_start=30)])
 
