@@ -164,18 +164,27 @@ class MicroBatcher:
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.pending = 0
-        self._queue: asyncio.Queue[tuple[ScoreItem, asyncio.Future[ScoreResult]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[ScoreItem, asyncio.Future[ScoreResult]]] | None = None
         self._worker: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._worker = asyncio.get_running_loop().create_task(self._run())
+        """Bind to the running event loop (a queue belongs to one loop)."""
+        self._queue = asyncio.Queue()
+        self._worker = asyncio.get_running_loop().create_task(self._run(self._queue))
 
     async def stop(self) -> None:
+        queue, self._queue = self._queue, None
         if self._worker:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        while queue is not None and not queue.empty():
+            _, future = queue.get_nowait()
+            if not future.done():
+                future.set_exception(BackendFailure("the teacher is shutting down"))
 
     async def submit(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        if self._queue is None:
+            raise BackendFailure("the scoring worker is not running")
         if self.pending + len(items) > self.max_queue:
             raise Overloaded(f"{self.pending} items queued (bound {self.max_queue}); retry later")
         loop = asyncio.get_running_loop()
@@ -188,16 +197,18 @@ class MicroBatcher:
         finally:
             self.pending -= len(items)
 
-    async def _run(self) -> None:
+    async def _run(
+        self, queue: asyncio.Queue[tuple[ScoreItem, asyncio.Future[ScoreResult]]]
+    ) -> None:
         while True:
-            batch = [await self._queue.get()]
+            batch = [await queue.get()]
             deadline = time.monotonic() + self.max_wait_s
             while len(batch) < self.max_batch_size:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
                     break
                 try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+                    batch.append(await asyncio.wait_for(queue.get(), timeout))
                 except asyncio.TimeoutError:
                     break
             live = [(item, future) for item, future in batch if not future.done()]
