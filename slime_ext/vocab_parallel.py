@@ -5,8 +5,8 @@ parallel layout; rows at or past the tokenizer's size are padding and are masked
 With `VocabShard()` (no group) the same code is the ordinary unsharded computation, so
 the local trainer and slime's Megatron loss run one code path (DESIGN.md invariant 6).
 
-Memory: `apply_chunked` evaluates a per-token kernel over token chunks under activation
-checkpointing, so a loss never keeps more than one chunk's [chunk x V_local] fp32
+Memory: `apply_chunked` evaluates a per-token kernel over token chunks and recomputes
+each chunk in backward, so a loss never keeps more than one chunk's [chunk x V_local] fp32
 intermediates alive; the fused path (`fused_lm_head`) also computes the logits per
 chunk from hidden states and the LM-head weight, so [tokens x vocab] never exists.
 """
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 PAD_LOGIT = -1e30
 """Stands in for padding rows: finite (so 0 * (s - t) stays 0), never sampled or selected."""
@@ -154,30 +153,108 @@ def topk_ids(local_scores: Tensor, k: int, shard: VocabShard) -> Tensor:
     return ids.gather(-1, best)
 
 
+def _chunk_bounds(num_tokens: int, chunk_size: int) -> range:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return range(0, num_tokens, chunk_size)
+
+
+def _sliced(tensors: Sequence[Tensor | None], begin: int, end: int) -> list[Tensor | None]:
+    return [None if t is None else t[begin:end] for t in tensors]
+
+
+class _ChunkedKernel(torch.autograd.Function):
+    """Forward runs the kernel chunk by chunk without a graph; backward recomputes one
+    chunk at a time and writes its gradient into a single buffer per input. (Slicing a
+    tensor inside a graph would give every chunk a full-size zero gradient to sum.)
+
+    With an LM-head weight, tensors[0] is the hidden states and the kernel sees
+    hidden_chunk @ weight.T; the weight's gradient accumulates chunk by chunk.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        kernel: PerTokenKernel,
+        chunk_size: int,
+        weight: Tensor | None,
+        *tensors: Tensor | None,
+    ) -> Tensor:
+        ctx.kernel, ctx.chunk_size = kernel, chunk_size
+        ctx.save_for_backward(weight, *tensors)
+        first = next(t for t in tensors if t is not None)
+        outputs = []
+        with torch.no_grad():
+            for begin in _chunk_bounds(first.shape[0], chunk_size):
+                chunk = _sliced(tensors, begin, begin + chunk_size)
+                if weight is not None:
+                    assert chunk[0] is not None
+                    chunk[0] = chunk[0] @ weight.t()
+                outputs.append(kernel(*chunk))
+        return torch.cat(outputs, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        weight, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        grads = [
+            torch.zeros_like(t) if t is not None and need else None
+            for t, need in zip(tensors, needs, strict=True)
+        ]
+        weight_grad = torch.zeros_like(weight) if ctx.needs_input_grad[2] else None
+        first = next(t for t in tensors if t is not None)
+        for begin in _chunk_bounds(first.shape[0], ctx.chunk_size):
+            end = begin + ctx.chunk_size
+            chunk = _sliced(tensors, begin, end)
+            with torch.enable_grad():
+                if weight is not None:
+                    assert chunk[0] is not None
+                    hidden_chunk = chunk[0]
+                    chunk[0] = (hidden_chunk.detach() @ weight.detach().t()).requires_grad_()
+                    targets = [0]
+                else:
+                    targets = [i for i, need in enumerate(needs) if need]
+                    for i in targets:
+                        chunk[i] = cast(Tensor, chunk[i]).detach().requires_grad_()
+                output = ctx.kernel(*chunk)
+                if not output.requires_grad:
+                    continue
+                chunk_grads = torch.autograd.grad(
+                    output,
+                    [cast(Tensor, chunk[i]) for i in targets],
+                    grad_output[begin:end],
+                    allow_unused=True,
+                )
+            if weight is None:
+                for i, grad in zip(targets, chunk_grads, strict=True):
+                    if grad is not None:
+                        cast(Tensor, grads[i])[begin:end] = grad
+                continue
+            logits_grad = chunk_grads[0]
+            if logits_grad is None:
+                continue
+            logits_grad = logits_grad.to(weight.dtype)
+            if grads[0] is not None:
+                torch.mm(logits_grad, weight, out=grads[0][begin:end])
+            if weight_grad is not None:
+                weight_grad.addmm_(logits_grad.t(), hidden_chunk)
+        return (None, None, weight_grad, *grads)
+
+
 def apply_chunked(
     kernel: PerTokenKernel, tensors: Sequence[Tensor | None], chunk_size: int | None
 ) -> Tensor:
     """kernel(*tensors) for per-token tensors, evaluated `chunk_size` tokens at a time.
 
-    Each chunk runs under non-reentrant activation checkpointing: its intermediates are
-    recomputed in backward instead of kept, so the working memory is one chunk's worth.
-    None entries pass through as None.
+    Backward recomputes each chunk instead of keeping its intermediates, so the working
+    memory is one chunk's [chunk x V_local] worth beside the inputs' gradients. None
+    entries pass through as None.
     """
     present = [t for t in tensors if t is not None]
-    num_tokens = present[0].shape[0]
-    if chunk_size is None or chunk_size >= num_tokens:
+    if chunk_size is None or chunk_size >= present[0].shape[0]:
         return kernel(*tensors)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in present)
-    outputs = []
-    for begin in range(0, num_tokens, chunk_size):
-        chunk = [None if t is None else t[begin : begin + chunk_size] for t in tensors]
-        if needs_graph:
-            outputs.append(checkpoint(kernel, *chunk, use_reentrant=False))
-        else:
-            outputs.append(kernel(*chunk))
-    return torch.cat(outputs, dim=0)
+    result: Tensor = _ChunkedKernel.apply(kernel, chunk_size, None, *tensors)
+    return result
 
 
 def fused_lm_head(
@@ -187,15 +264,13 @@ def fused_lm_head(
     tensors: Sequence[Tensor | None],
     chunk_size: int,
 ) -> Tensor:
-    """kernel(hidden @ W.T, *tensors) per chunk: the logits exist one chunk at a time.
+    """kernel(hidden @ W.T, *tensors) per chunk: the logits exist one chunk at a time, and
+    the gradients of hidden and W are accumulated chunk by chunk.
 
     `lm_head_weight` is this rank's [V_local, H] rows; the kernel sees local logits.
     """
-
-    def project_then_kernel(hidden_chunk: Tensor, *rest: Tensor | None) -> Tensor:
-        return kernel(hidden_chunk @ lm_head_weight.t(), *rest)
-
-    return apply_chunked(project_then_kernel, [hidden, *tensors], chunk_size)
+    result: Tensor = _ChunkedKernel.apply(kernel, chunk_size, lm_head_weight, hidden, *tensors)
+    return result
 
 
 def token_logprobs(
