@@ -1,1 +1,36 @@
-"""sandbox."""
+"""Where actions run: the sandbox protocol and its local backends.
+
+`LocalSandbox` runs shell commands under its own uid (bubblewrap when available);
+`PythonWorker` keeps one python interpreter per trajectory for tool-integrated reasoning.
+"""
+
+from sandbox.base import (
+    ExecResult,
+    Sandbox,
+    SandboxClosedError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxFileError,
+    SandboxResourceError,
+    SandboxStartError,
+    SandboxUnavailableError,
+)
+from sandbox.local import LocalSandbox, LocalSandboxConfig
+from sandbox.python_worker import PythonWorker, PythonWorkerConfig, WorkerExecResult
+
+__all__ = [
+    "ExecResult",
+    "LocalSandbox",
+    "LocalSandboxConfig",
+    "PythonWorker",
+    "PythonWorkerConfig",
+    "Sandbox",
+    "SandboxClosedError",
+    "SandboxDiedError",
+    "SandboxError",
+    "SandboxFileError",
+    "SandboxResourceError",
+    "SandboxStartError",
+    "SandboxUnavailableError",
+    "WorkerExecResult",
+]

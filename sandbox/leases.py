@@ -1,0 +1,172 @@
+"""A sandbox's identity on the host: its own uid and its private working directory.
+
+Per-sandbox uids are what make the kernel keep sandboxes apart when the host runs as
+root: RLIMIT_NPROC counts processes per uid (and never limits root), a process may only
+signal processes of its own uid, and a 0700 directory is closed to every other uid. Uids
+come from a reserved range; an flock on `<root>/locks/<uid>.lock` marks one in use, across
+processes, and is released by the kernel if the holder dies. A new holder first kills
+whatever a dead holder left running under the uid and removes its directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandbox.base import SandboxResourceError, SandboxStartError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SandboxLease:
+    """What one sandbox holds until it is closed."""
+
+    uid: int | None
+    """The sandbox's own uid; None when the host is not root and commands run as the
+    host's user (no per-sandbox process cap or uid separation then)."""
+    workdir: Path
+    lock_fd: int | None = None
+
+
+def default_root_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"opd-sandbox-{os.geteuid()}"
+
+
+def prepare_root(root_dir: Path) -> None:
+    """Create `root_dir` (0711: others may enter their own subdirectory, not list it) and
+    refuse one that someone else planted, since its contents are trusted."""
+    root_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+    info = root_dir.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise SandboxStartError(
+            f"sandbox root {root_dir} is not a directory owned by uid {os.geteuid()}; "
+            "remove it or set root_dir"
+        )
+    os.chmod(root_dir, 0o711)
+    (root_dir / "locks").mkdir(mode=0o700, exist_ok=True)
+
+
+def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
+    """Lease a free uid from [uid_base, uid_base + uid_count) and a fresh working
+    directory for it; runs as the host's user (uid None) when the host is not root."""
+    prepare_root(root_dir)
+    if os.geteuid() != 0:
+        return SandboxLease(uid=None, workdir=Path(tempfile.mkdtemp(prefix="work-", dir=root_dir)))
+    start = secrets.randbelow(uid_count)
+    for step in range(uid_count):
+        uid = uid_base + (start + step) % uid_count
+        lock_fd = os.open(root_dir / "locks" / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            continue
+        if uid_processes(uid):
+            # A dead holder's leftovers (killed now), or zombies the host's init has not
+            # reaped yet; zombies still count against RLIMIT_NPROC, so take another uid.
+            _kill_uid_processes_now(uid)
+            os.close(lock_fd)
+            continue
+        workdir = root_dir / f"work-{uid}"
+        try:
+            if workdir.exists() or workdir.is_symlink():
+                _remove_tree(workdir)
+            workdir.mkdir(mode=0o700)
+            os.chown(workdir, uid, uid)
+        except OSError as exc:
+            os.close(lock_fd)
+            raise SandboxStartError(f"cannot prepare working directory {workdir}: {exc}") from exc
+        return SandboxLease(uid=uid, workdir=workdir, lock_fd=lock_fd)
+    raise SandboxResourceError(
+        f"all {uid_count} sandbox uids from {uid_base} are in use; close sandboxes or "
+        "raise uid_count"
+    )
+
+
+def release(lease: SandboxLease) -> None:
+    """Remove the working directory and free the uid (its processes must be dead)."""
+    _remove_tree(lease.workdir)
+    if lease.lock_fd is not None:
+        os.close(lease.lock_fd)
+        lease.lock_fd = None
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _kill_uid_processes_now(uid: int) -> None:
+    subprocess.run(
+        ["/bin/sh", "-c", "kill -KILL -1"],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        check=False,
+    )
+
+
+async def kill_uid_processes(uid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL every process running as `uid`, wherever it hides (other sessions, other
+    pid namespaces), and wait until none runs. kill(-1) from a process of that uid
+    reaches exactly those; the kernel walks the task list under a lock, so no fork
+    escapes it. Delivery is asynchronous, hence the wait."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "/bin/sh",
+                "-c",
+                "kill -KILL -1",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                env={"PATH": "/usr/bin:/bin"},
+            )
+        except OSError as exc:
+            raise SandboxResourceError(f"cannot start a process as uid {uid}: {exc}") from exc
+        await proc.wait()
+        for _ in range(10):
+            if not uid_processes(uid, include_zombies=False):
+                return
+            await asyncio.sleep(0.01)
+        if time.monotonic() > deadline:
+            logger.warning("processes of sandbox uid %d survived SIGKILL for %.1f s", uid, wait_s)
+            return
+
+
+def uid_processes(uid: int, include_zombies: bool = True) -> list[int]:
+    """Pids whose real uid is `uid` (read from status: a process can make its /proc
+    directory root-owned by turning off its dumpable flag)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"{entry.path}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields["Uid"].split()[0]) != uid:
+            continue
+        if include_zombies or not fields["State"].strip().startswith("Z"):
+            pids.append(int(entry.name))
+    return pids
