@@ -215,6 +215,12 @@ class TrajectoryBuilder:
         )
         return RecordedTurn(len(self.turns) - 1, message, calls, error)
 
+    def turn_context_ids(self, index: int) -> list[int]:
+        """The context turn `index` was sampled after (valid at any point of the build)."""
+        turn = self.turns[index]
+        assert self._latest_context is not None
+        return self._latest_context[: turn.context_len] + turn.context_suffix_ids
+
     def set_tier(self, index: int, tier: MaskTier) -> None:
         """Override a turn's tier: the harness knows, e.g., that a final answer without a
         tool call is a valid last action, or that a command failed at the shell (tier 2)."""

@@ -34,6 +34,9 @@ def create_standin(model: Any, context_length: int, misalign: bool = False) -> F
         body = await request.json()
         received_headers.append(dict(request.headers))
         ids: list[int] = body["input_ids"]
+        params = body.get("sampling_params", {})
+        if params.get("max_new_tokens", 16) > 0:
+            return _generate(model, ids, params)
         start: int = body.get("logprob_start_len", -1)
         top_k: int = body.get("top_logprobs_num", 0) or 0
         if start > len(ids):
@@ -75,6 +78,39 @@ def create_standin(model: Any, context_length: int, misalign: bool = False) -> F
         return {"text": "", "output_ids": [], "meta_info": meta}
 
     return app
+
+
+def _generate(model: Any, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """Greedy (temperature 0) or sampled generation; output log-probs are
+    temperature-scaled, as SGLang's sampler returns them."""
+    temperature = params.get("temperature", 1.0)
+    stop = set(params.get("stop_token_ids") or []) | {model.config.eos_token_id}
+    output, entries = [], []
+    finish: dict[str, Any] = {"type": "length", "length": params["max_new_tokens"]}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(params["max_new_tokens"]):
+            logits = model(input_ids=torch.tensor([ids + output])).logits[0, -1].float()
+            scaled = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+            token = (
+                int(scaled.argmax())
+                if temperature == 0
+                else int(torch.multinomial(scaled.exp(), 1, generator=generator))
+            )
+            output.append(token)
+            entries.append([float(scaled[token]), token, None])
+            if token in stop:
+                finish = {"type": "stop", "matched": token}
+                break
+    meta = {
+        "id": "standin",
+        "finish_reason": finish,
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(output),
+        "cached_tokens": 0,
+        "output_token_logprobs": entries,
+    }
+    return {"text": "", "output_ids": output, "meta_info": meta}
 
 
 def _shared(a: list[int], b: list[int]) -> int:

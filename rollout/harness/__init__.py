@@ -1,0 +1,1 @@
+"""Agent harnesses: the first messages of a task and what each action leads to."""

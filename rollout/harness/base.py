@@ -1,0 +1,54 @@
+"""What the runner needs from a harness: the first messages, and an episode that turns
+each recorded turn into an observation until the task ends, then a reward.
+
+A harness owns its sandbox (one per trajectory); an infrastructure failure there raises
+`sandbox.SandboxError` out of `step` or `reward`, and the runner ends the trajectory with
+status sandbox_error. The command's own failure is an observation, never an exception.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from rollout.chat import Message, RecordedTurn
+from rollout.trajectory import MaskTier, Task
+
+
+class StepOutcome(BaseModel):
+    """What a turn's action led to."""
+
+    model_config = ConfigDict(frozen=True)
+
+    observation: str | None = None
+    """The tool's answer for the next context (None: the episode ended with this turn)."""
+    tier: MaskTier | None = None
+    """Overrides the turn's tier (a final answer without a tool call is VALID; a shell
+    refusal is SHELL_ERROR); None keeps what parsing decided."""
+    done: bool = False
+    """The task is finished (answer given, patch submitted)."""
+    reason: str | None = None
+    """Why it ended, for the trajectory's status_reason."""
+
+
+class Episode(Protocol):
+    async def step(self, turn: RecordedTurn) -> StepOutcome: ...
+
+    async def reward(self) -> float:
+        """Grade the finished (or truncated) episode."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Harness(Protocol):
+    name: str
+    tools: list[dict[str, Any]]
+    """OpenAI-style tool schemas, rendered into the system prompt by the chat template."""
+
+    def initial_messages(self, task: Task) -> list[Message]: ...
+
+    async def start(self, task: Task) -> Episode:
+        """Create the episode's sandbox; raises sandbox.SandboxError if it cannot."""
+        ...

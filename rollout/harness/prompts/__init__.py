@@ -1,0 +1,1 @@
+"""Prompt files of the harnesses (YAML)."""

@@ -1,0 +1,1 @@
+"""Rewards: math answers checked with math-verify, SWE submissions graded by their tests."""

@@ -1,0 +1,246 @@
+"""The async driver: many trajectories at once, each ending with a status and a reason.
+
+Per trajectory: a sandbox (the harness's episode), a deadline, context and generation
+budgets per turn, and optionally the teacher's log-probs of every turn's span, requested
+as soon as the turn is sampled so scoring overlaps the next turn's generation (per_turn),
+or once the trajectory has ended (after: e.g. a critic hint that needs the whole run).
+Nothing is dropped: a trajectory that fails is recorded with the failure's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+from rollout.chat import ChatRenderer, TrajectoryBuilder
+from rollout.harness.base import Episode, Harness
+from rollout.masking import MaskStats
+from rollout.policy import Policy, PolicyError, SamplingParams
+from rollout.trajectory import Task, Trajectory, TrajectoryStatus, write_jsonl
+from sandbox import SandboxError
+from teacher_server.api import ScoreItem
+from teacher_server.client import TeacherClient, TeacherError
+
+TeacherContext = Callable[[Task, list[int]], list[int]]
+"""Maps the student's context ids to the teacher's (a hint inserted); identity for OPD."""
+
+
+class RunnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int = Field(default=8, ge=1)
+    """Trajectories in flight at once."""
+    max_turns: int = Field(default=16, ge=1)
+    max_new_tokens: int = Field(default=512, ge=1)
+    """Generation budget of one turn (reference layout: 12,288)."""
+    max_context_tokens: int = Field(default=4096, ge=2)
+    """Longest context + generation of one turn (reference layout: 65,536)."""
+    trajectory_timeout_s: float = Field(default=600.0, gt=0)
+    sampling: SamplingParams | None = None
+    """Defaults to temperature 1, untruncated, max_new_tokens as above."""
+    teacher_scoring: Literal["none", "per_turn", "after"] = "none"
+    teacher_top_k: int = Field(default=0, ge=0)
+
+
+def _status_for(error: BaseException) -> tuple[TrajectoryStatus, str]:
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return TrajectoryStatus.ABORTED, "trajectory deadline"
+    if isinstance(error, SandboxError):
+        return TrajectoryStatus.SANDBOX_ERROR, f"{type(error).__name__}: {error}"
+    if isinstance(error, TeacherError):
+        return TrajectoryStatus.TEACHER_ERROR, f"{type(error).__name__}: {error}"
+    if isinstance(error, PolicyError):
+        return TrajectoryStatus.ABORTED, f"policy: {error}"
+    return TrajectoryStatus.ABORTED, f"unexpected {type(error).__name__}: {error}"
+
+
+class Runner:
+    def __init__(
+        self,
+        harness: Harness,
+        policy: Policy,
+        renderer: ChatRenderer,
+        config: RunnerConfig | None = None,
+        teacher: TeacherClient | None = None,
+        teacher_context: TeacherContext | None = None,
+    ) -> None:
+        self.harness = harness
+        self.policy = policy
+        self.renderer = renderer
+        self.config = config or RunnerConfig()
+        self.teacher = teacher
+        self.teacher_context = teacher_context or (lambda _task, ids: ids)
+        if self.config.teacher_scoring != "none" and teacher is None:
+            raise ValueError("teacher_scoring is set but no teacher client was given")
+        self.sampling = self.config.sampling or SamplingParams(
+            max_new_tokens=self.config.max_new_tokens
+        )
+
+    async def run(
+        self,
+        tasks: Sequence[Task],
+        samples_per_task: int = 1,
+        out_jsonl: Path | None = None,
+        show_progress: bool = False,
+    ) -> list[Trajectory]:
+        """Every (task, sample) pair once; results in input order, appended to out_jsonl."""
+        jobs = [(task, index) for task in tasks for index in range(samples_per_task)]
+        gate = asyncio.Semaphore(self.config.concurrency)
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            disable=not show_progress,
+            transient=True,
+        ) as progress:
+            bar = progress.add_task("rollouts", total=len(jobs))
+
+            async def one(task: Task, index: int) -> Trajectory:
+                async with gate:
+                    trajectory = await self.run_one(task, index)
+                if out_jsonl is not None:
+                    write_jsonl(out_jsonl, [trajectory])
+                progress.advance(bar)
+                return trajectory
+
+            return list(await asyncio.gather(*(one(task, index) for task, index in jobs)))
+
+    async def run_one(self, task: Task, sample_index: int = 0) -> Trajectory:
+        trajectory_id = f"{task.task_id}#{sample_index}"
+        builder = TrajectoryBuilder(
+            self.renderer, task, self.harness.initial_messages(task), trajectory_id, sample_index
+        )
+        scoring: list[asyncio.Task[None]] = []
+        episodes: list[Episode] = []
+        status, reason, reward = TrajectoryStatus.TRUNCATED, "max turns", None
+        started = time.monotonic()
+        try:
+            status, reason, reward = await asyncio.wait_for(
+                self._episode(task, builder, episodes, scoring), self.config.trajectory_timeout_s
+            )
+        except (asyncio.TimeoutError, SandboxError, TeacherError, PolicyError) as error:
+            status, reason = _status_for(error)
+            reward = None
+        finally:
+            for pending in scoring:
+                pending.cancel()
+            await asyncio.gather(*scoring, return_exceptions=True)
+            for episode in episodes:
+                await episode.close()
+        trajectory = builder.finish(status, reason, reward)
+        trajectory.wall_s = time.monotonic() - started
+        return trajectory
+
+    async def _episode(
+        self,
+        task: Task,
+        builder: TrajectoryBuilder,
+        episodes: list[Episode],
+        scoring: list[asyncio.Task[None]],
+    ) -> tuple[TrajectoryStatus, str, float | None]:
+        episode = await self.harness.start(task)
+        episodes.append(episode)
+        status, reason = await self._turns(task, builder, episode, scoring)
+        reward = await episode.reward()
+        if self.config.teacher_scoring == "after":
+            scoring.extend(
+                asyncio.create_task(self._score(task, builder, k))
+                for k in range(len(builder.turns))
+            )
+        await asyncio.gather(*scoring)
+        return status, reason, reward
+
+    async def _turns(
+        self,
+        task: Task,
+        builder: TrajectoryBuilder,
+        episode: Episode,
+        scoring: list[asyncio.Task[None]],
+    ) -> tuple[TrajectoryStatus, str]:
+        for _ in range(self.config.max_turns):
+            context = builder.next_context()
+            budget = min(
+                self.sampling.max_new_tokens, self.config.max_context_tokens - len(context)
+            )
+            if budget < 1:
+                return TrajectoryStatus.TRUNCATED, "context budget"
+            params = self.sampling.model_copy(update={"max_new_tokens": budget})
+            generation = await self.policy.generate(context, params, builder.trajectory_id)
+            if not generation.output_ids:
+                raise PolicyError(f"empty generation ({generation.finish_reason})")
+            recorded = builder.record_turn(
+                generation.output_ids,
+                generation.logprobs,
+                generation.finish_reason,
+                generation.model_s,
+            )
+            if self.config.teacher_scoring == "per_turn":
+                scoring.append(asyncio.create_task(self._score(task, builder, recorded.index)))
+            step_started = time.perf_counter()
+            outcome = await episode.step(recorded)
+            sandbox_s = time.perf_counter() - step_started
+            if outcome.tier is not None:
+                builder.set_tier(recorded.index, outcome.tier)
+            if outcome.observation is not None:
+                builder.record_observation(outcome.observation, sandbox_s=sandbox_s)
+            else:
+                builder.turns[-1].timings.sandbox_s += sandbox_s
+            if outcome.done:
+                return TrajectoryStatus.COMPLETED, outcome.reason or "done"
+        return TrajectoryStatus.TRUNCATED, "max turns"
+
+    async def _score(self, task: Task, builder: TrajectoryBuilder, k: int) -> None:
+        """The teacher's log-probs of turn k's span, given the teacher's view of its context."""
+        assert self.teacher is not None
+        turn = builder.turns[k]
+        context = builder.turn_context_ids(k)
+        teacher_context = self.teacher_context(task, context)
+        started = time.perf_counter()
+        [result] = await self.teacher.score(
+            [
+                ScoreItem(
+                    input_ids=teacher_context + turn.span_ids,
+                    span_start=len(teacher_context),
+                    top_k=self.config.teacher_top_k,
+                    session_id=builder.trajectory_id,
+                    temperature=self.sampling.temperature or 1.0,
+                )
+            ]
+        )
+        turn.teacher_logprobs = result.logprobs
+        turn.timings.teacher_s += time.perf_counter() - started
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """rollout/ and perf/ metrics of one step (DESIGN.md names)."""
+    turns = [turn for trajectory in trajectories for turn in trajectory.turns]
+    count = max(len(turns), 1)
+    stats = MaskStats()
+    for trajectory in trajectories:
+        stats.add(trajectory)
+    statuses = Counter(t.status.value for t in trajectories)
+    aborts = Counter(
+        t.status_reason for t in trajectories if t.status is not TrajectoryStatus.COMPLETED
+    )
+    rewards = [t.reward for t in trajectories if t.reward is not None]
+    metrics = {
+        "rollout/num_turns": sum(t.num_turns for t in trajectories) / max(len(trajectories), 1),
+        "rollout/tokens_per_turn": sum(len(turn.span_ids) for turn in turns) / count,
+        "rollout/reward": sum(rewards) / max(len(rewards), 1),
+        "rollout/pass_rate": sum(r > 0 for r in rewards) / max(len(trajectories), 1),
+        "perf/model_time_per_turn": sum(turn.timings.model_s for turn in turns) / count,
+        "perf/sandbox_time_per_turn": sum(turn.timings.sandbox_s for turn in turns) / count,
+        "perf/teacher_time_per_turn": sum(turn.timings.teacher_s for turn in turns) / count,
+        **{f"rollout/{key}": value for key, value in stats.metrics().items()},
+        **{f"rollout/status_{key}": float(value) for key, value in statuses.items()},
+        **{f"rollout/abort_count/{key}": float(value) for key, value in aborts.items()},
+    }
+    return metrics

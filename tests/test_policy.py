@@ -1,0 +1,110 @@
+"""Generation backends: the local HF policy and the SGLang client (against the stand-in)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from rollout.policy import ROUTING_HEADER, HFPolicy, SamplingParams, SGLangPolicy
+from slime_ext.local.factory import build_model
+from tests.live_server import serve_in_thread
+from tests.sglang_standin import create_standin
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+PROMPT = [5, 17, 99, 230, 41, 8, 77]
+
+
+@pytest.fixture(scope="module")
+def model(factory_tokenizer: Any) -> Any:
+    return build_model("qwen3-tiny", factory_tokenizer, seed=5).eval()
+
+
+def _generate(policy: Any, params: SamplingParams, session: str | None = None) -> Any:
+    return asyncio.run(policy.generate(PROMPT, params, session))
+
+
+def _direct_logprobs(model: Any, output: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT + output])).logits[0].float()
+    rows = torch.log_softmax(logits[len(PROMPT) - 1 : -1] / temperature, dim=-1)
+    return rows.gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_policy_logprobs_equal_a_direct_forward(model: Any, temperature: float) -> None:
+    policy = HFPolicy(model, eos_token_id=model.config.eos_token_id, seed=1)
+    generation = _generate(policy, SamplingParams(max_new_tokens=12, temperature=temperature))
+    assert generation.finish_reason in ("stop", "length")
+    assert len(generation.output_ids) == len(generation.logprobs) <= 12
+    expected = _direct_logprobs(model, generation.output_ids, temperature)
+    assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
+
+
+def test_hf_policy_is_reproducible_by_seed_and_greedy_is_argmax(model: Any) -> None:
+    params = SamplingParams(max_new_tokens=10)
+    first = _generate(HFPolicy(model, model.config.eos_token_id, seed=3), params)
+    again = _generate(HFPolicy(model, model.config.eos_token_id, seed=3), params)
+    assert first.output_ids == again.output_ids
+    greedy = _generate(
+        HFPolicy(model, model.config.eos_token_id), SamplingParams(max_new_tokens=6, temperature=0)
+    )
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+    assert greedy.output_ids[0] == int(logits.argmax())
+
+
+def test_hf_policy_stops_at_a_stop_id(model: Any) -> None:
+    greedy = _generate(
+        HFPolicy(model, model.config.eos_token_id), SamplingParams(max_new_tokens=6, temperature=0)
+    )
+    stop_at = greedy.output_ids[2]
+    stopped = _generate(
+        HFPolicy(model, model.config.eos_token_id),
+        SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(stop_at,)),
+    )
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == greedy.output_ids[: greedy.output_ids.index(stop_at) + 1]
+
+
+def test_truncated_sampling_stays_in_the_top_k(model: Any) -> None:
+    policy = HFPolicy(model, model.config.eos_token_id, seed=0)
+    generation = _generate(policy, SamplingParams(max_new_tokens=1, top_k=3))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+    assert generation.output_ids[0] in logits.topk(3).indices.tolist()
+    nucleus = _generate(policy, SamplingParams(max_new_tokens=1, top_p=1e-6))
+    assert nucleus.output_ids[0] == int(logits.argmax())  # the token that crosses top_p
+
+
+@pytest.fixture(scope="module")
+def standin(model: Any) -> Iterator[str]:
+    with serve_in_thread(create_standin(model, context_length=1024)) as url:
+        yield url
+
+
+def test_sglang_policy_against_the_standin(standin: str, model: Any) -> None:
+    async def run() -> Any:
+        policy = SGLangPolicy(standin)
+        try:
+            return await policy.generate(
+                PROMPT, SamplingParams(max_new_tokens=8, temperature=0), "traj-3"
+            )
+        finally:
+            await policy.close()
+
+    generation = asyncio.run(run())
+    local = _generate(
+        HFPolicy(model, model.config.eos_token_id), SamplingParams(max_new_tokens=8, temperature=0)
+    )
+    assert generation.output_ids == local.output_ids
+    assert generation.finish_reason == local.finish_reason
+    assert torch.allclose(
+        torch.tensor(generation.logprobs), torch.tensor(local.logprobs), atol=1e-4
+    )
+    headers = httpx.get(f"{standin}/standin/headers").json()
+    assert headers[-1][ROUTING_HEADER.lower()] == "traj-3"
