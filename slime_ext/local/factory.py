@@ -41,7 +41,7 @@ MARKUP_TOKENS = (
     "</tool_response>",
 )
 """Single-id markup that stays in decoded text, as in Qwen3."""
-DEFAULT_VOCAB_SIZE = 1024
+DEFAULT_VOCAB_SIZE = 2048
 
 
 class UnknownPresetError(KeyError):
@@ -109,10 +109,21 @@ def chat_template() -> str:
     return resources.files(__package__).joinpath("chat_template.jinja").read_text()
 
 
+CORPUS_PACKAGES = ("rollout.harness.prompts", "rollout.tasks")
+"""Their YAML files (prompts, problem templates) join the corpus, so the text every
+rollout repeats (system prompts, tool instructions) takes few tokens."""
+
+
 def _training_corpus() -> list[str]:
-    """Fixed text plus numbers; a seeded generator keeps the vocabulary deterministic."""
-    text = resources.files(__package__).joinpath("factory_corpus.txt").read_text()
-    lines = text.splitlines()
+    """Fixed text, the chat template's and the prompts' text, and numbers; a seeded
+    generator keeps the vocabulary deterministic."""
+    package = resources.files(__package__)
+    lines = package.joinpath("factory_corpus.txt").read_text().splitlines()
+    lines += chat_template().splitlines()
+    for name in CORPUS_PACKAGES:
+        for entry in sorted(resources.files(name).iterdir(), key=lambda e: e.name):
+            if entry.name.endswith(".yaml"):
+                lines += entry.read_text().splitlines()
     rng = random.Random(0)
     numbers = [f"{rng.randint(0, 10_000)} + {rng.randint(0, 999)} = ?" for _ in range(200)]
     return lines * 20 + numbers

@@ -1,0 +1,1 @@
+"""Task families: synthetic math word problems (arithmetic), generated SWE repositories."""
