@@ -96,15 +96,44 @@ def factory_build(
 
 @app.command("demo")
 def demo(
-    out: Annotated[Path, typer.Option(help="Run directory.")] = Path("runs/demo"),
-    seed: Annotated[int, typer.Option(help="Seed of the factory models.")] = 0,
+    out: Annotated[Path, typer.Option(help="Run directory (replaced).")] = Path("runs/demo"),
+    steps: Annotated[int, typer.Option(help="OPD steps.")] = 30,
+    n_heldout: Annotated[int, typer.Option(help="Held-out problems evaluated.")] = 300,
 ) -> None:
-    """The one-machine demo. Until the OPD trainer lands, this runs the foundation's
-    end-to-end piece: factory student and teacher, a multi-turn tool conversation turned
-    into a per-turn trajectory, each turn's span scored by both models, JSONL round-trip."""
-    from launch.demo import run_foundation_demo
+    """The one-machine OPD demo: evaluate the bundled student, run per-turn OPD against the
+    bundled teacher (served on 127.0.0.1) for a few minutes, evaluate again."""
+    from slime_ext.local.opd_demo import run_opd_demo
 
-    run_foundation_demo(out, seed=seed, console=console)
+    run_opd_demo(out, steps=steps, n_heldout=n_heldout, console=console)
+
+
+@app.command("train")
+def train(path: ConfigPath, overrides: Overrides = None) -> None:
+    """Run a job config on this machine (recipes opd, rl, sft on the TIR harness);
+    resumes from the run directory's checkpoint when there is one."""
+    from slime_ext.local.run_config import run_local_job
+
+    config = _load_or_exit(path, overrides)
+    run_local_job(config, console=console)
+
+
+demo_models_app = typer.Typer(help="The demo's bundled teacher and student.", no_args_is_help=True)
+app.add_typer(demo_models_app, name="demo-models")
+
+
+@demo_models_app.command("build")
+def demo_models_build(
+    out: Annotated[Path, typer.Option(help="Where to write student/ and teacher/.")],
+    student_step: Annotated[int, typer.Option(help="SFT step saved as the student.")] = 300,
+    teacher_step: Annotated[int, typer.Option(help="SFT step saved as the teacher.")] = 1500,
+    seed: Annotated[int, typer.Option(help="Initialization and data seed.")] = 0,
+) -> None:
+    """Train the demo's models by SFT on worked traces (the recorded recipe)."""
+    from slime_ext.local.demo_models import DemoModelsRecipe, build_demo_models
+
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = DemoModelsRecipe(student_step=student_step, teacher_step=teacher_step, seed=seed)
+    build_demo_models(out, recipe, log=lambda line: console.print(line, highlight=False))
 
 
 def main() -> None:

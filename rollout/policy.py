@@ -51,53 +51,109 @@ class Policy(Protocol):
 
 
 class HFPolicy:
-    """A local transformers model; one generation at a time (the model is shared)."""
+    """A local transformers model. Concurrent `generate` calls are decoded together: a
+    left-padded batch sharing one KV cache, each row stopping on its own."""
 
-    def __init__(self, model: Any, eos_token_id: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        eos_token_id: int,
+        seed: int = 0,
+        max_batch_size: int = 32,
+        max_wait_s: float = 0.005,
+    ) -> None:
         import torch
 
         self.model = model.eval()
         self.eos_token_id = eos_token_id
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
         self._lock = threading.Lock()
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future[Generation]]] = []
+        self._worker: asyncio.Task[None] | None = None
 
     async def generate(
         self, input_ids: list[int], params: SamplingParams, session_id: str | None = None
     ) -> Generation:
-        return await asyncio.to_thread(self._generate, input_ids, params)
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._pending.append((input_ids, params, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._drain())
+        return await future
 
-    def _generate(self, input_ids: list[int], params: SamplingParams) -> Generation:
+    async def _drain(self) -> None:
+        """Decode what is pending, a batch at a time, until nothing is."""
+        while self._pending:
+            await asyncio.sleep(self.max_wait_s)  # let concurrent callers join the batch
+            batch = self._pending[: self.max_batch_size]
+            del self._pending[: len(batch)]
+            try:
+                results = await asyncio.to_thread(self._decode, [(i, p) for i, p, _ in batch])
+            except Exception as err:  # every caller of the batch learns of it
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(PolicyError(f"generation failed: {err}"))
+                continue
+            for (_, _, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+
+    def _decode(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         import torch
         from transformers import DynamicCache
 
         started = time.perf_counter()
-        stop = {self.eos_token_id, *params.stop_token_ids}
-        output: list[int] = []
-        logprobs: list[float] = []
-        reason: FinishReason = "length"
+        rows = len(requests)
+        width = max(len(ids) for ids, _ in requests)
+        outputs: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        reasons: list[FinishReason] = ["length"] * rows
+        active = [True] * rows
         with self._lock, torch.no_grad():
             device = next(self.model.parameters()).device
+            input_ids = torch.zeros((rows, width), dtype=torch.long)
+            attention = torch.zeros((rows, width), dtype=torch.long)
+            for row, (ids, _) in enumerate(requests):
+                input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                attention[row, width - len(ids) :] = 1
             cache = DynamicCache(config=self.model.config)
-            step_ids = torch.tensor([input_ids], device=device)
-            for _ in range(params.max_new_tokens):
+            step_ids = input_ids
+            for step in range(max(params.max_new_tokens for _, params in requests)):
+                positions = attention.cumsum(-1)[:, -step_ids.shape[1] :] - 1
                 logits = (
-                    self.model(input_ids=step_ids, cache=cache, use_cache=True, logits_to_keep=1)
-                    .logits[0, -1]
+                    self.model(
+                        input_ids=step_ids.to(device),
+                        attention_mask=attention.to(device),
+                        position_ids=positions.clamp(min=0).to(device),
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    .logits[:, -1]
                     .float()
                 )
-                token, logprob = self._sample(logits, params)
-                output.append(token)
-                logprobs.append(logprob)
-                if token in stop:
-                    reason = "stop"
+                next_ids = torch.zeros((rows, 1), dtype=torch.long)
+                for row, (_, params) in enumerate(requests):
+                    if not active[row]:
+                        continue
+                    token, logprob = self._sample(logits[row], params)
+                    outputs[row].append(token)
+                    logprobs[row].append(logprob)
+                    next_ids[row, 0] = token
+                    if token in {self.eos_token_id, *params.stop_token_ids}:
+                        active[row], reasons[row] = False, "stop"
+                    elif step + 1 >= params.max_new_tokens:
+                        active[row] = False
+                if not any(active):
                     break
-                step_ids = torch.tensor([[token]], device=device)
-        return Generation(
-            output_ids=output,
-            logprobs=logprobs,
-            finish_reason=reason,
-            model_s=time.perf_counter() - started,
-        )
+                step_ids = next_ids
+                attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long)], 1)
+        model_s = time.perf_counter() - started
+        return [
+            Generation(output_ids=o, logprobs=lp, finish_reason=r, model_s=model_s)
+            for o, lp, r in zip(outputs, logprobs, reasons, strict=True)
+        ]
 
     def _sample(self, logits: Any, params: SamplingParams) -> tuple[int, float]:
         import torch

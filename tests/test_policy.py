@@ -81,6 +81,26 @@ def test_truncated_sampling_stays_in_the_top_k(model: Any) -> None:
     assert nucleus.output_ids[0] == int(logits.argmax())  # the token that crosses top_p
 
 
+def test_concurrent_requests_are_batched_and_equal_sequential_ones(model: Any) -> None:
+    prompts = [PROMPT, PROMPT[:3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], PROMPT[2:]]
+    params = SamplingParams(max_new_tokens=7, temperature=0)
+
+    async def concurrent() -> list[Any]:
+        policy = HFPolicy(model, model.config.eos_token_id)
+        return list(await asyncio.gather(*(policy.generate(p, params) for p in prompts)))
+
+    async def sequential() -> list[Any]:
+        policy = HFPolicy(model, model.config.eos_token_id)
+        return [await policy.generate(p, params) for p in prompts]
+
+    together, alone = asyncio.run(concurrent()), asyncio.run(sequential())
+    for batched, single in zip(together, alone, strict=True):
+        assert batched.output_ids == single.output_ids
+        assert torch.allclose(
+            torch.tensor(batched.logprobs), torch.tensor(single.logprobs), atol=1e-4
+        )
+
+
 @pytest.fixture(scope="module")
 def standin(model: Any) -> Iterator[str]:
     with serve_in_thread(create_standin(model, context_length=1024)) as url:

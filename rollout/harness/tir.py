@@ -99,7 +99,7 @@ class TIREpisode:
                 self.answer = answer
                 return StepOutcome(done=True, tier=MaskTier.VALID, reason="boxed answer")
             if isinstance(turn.error, NoToolCallError):
-                return StepOutcome(observation=self.prompts["no_answer"])
+                return StepOutcome(observation=self.prompts["no_answer"].format())
             return StepOutcome(observation=self.prompts["invalid_call"].format(error=turn.error))
         if self.tool_calls >= self.config.max_tool_calls:
             return StepOutcome(
@@ -117,7 +117,7 @@ class TIREpisode:
         parts += [text for text in (result.stdout, result.stderr) if text]
         if result.timed_out:
             parts.append(self.prompts["timed_out"].format(timeout_s=self.config.call_timeout_s))
-        observation = "\n".join(parts).strip() or self.prompts["no_output"]
+        observation = "\n".join(parts).strip() or self.prompts["no_output"].format()
         return StepOutcome(observation=clip_middle(observation, self.config.observation_chars))
 
     async def reward(self) -> float:

@@ -1,0 +1,53 @@
+"""Greedy held-out evaluation of a policy on TIR tasks, and paired comparisons."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from rollout.chat import ChatRenderer
+from rollout.harness.tir import TIRHarness
+from rollout.policy import Policy, SamplingParams
+from rollout.runner import Runner, RunnerConfig
+from rollout.trajectory import Task, Trajectory
+
+
+async def evaluate(
+    policy: Policy,
+    tokenizer: Any,
+    tasks: Sequence[Task],
+    harness: TIRHarness,
+    *,
+    concurrency: int = 32,
+    max_turns: int = 4,
+    max_new_tokens: int = 64,
+    max_context_tokens: int = 1024,
+) -> list[Trajectory]:
+    """One greedy trajectory per task, in task order."""
+    renderer = ChatRenderer(tokenizer, harness.tools)
+    config = RunnerConfig(
+        concurrency=concurrency,
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_context_tokens=max_context_tokens,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0),
+    )
+    return await Runner(harness, policy, renderer, config).run(tasks)
+
+
+def correct(trajectories: Sequence[Trajectory]) -> list[float]:
+    return [1.0 if (t.reward or 0.0) > 0 else 0.0 for t in trajectories]
+
+
+def paired_difference(
+    before: Sequence[float], after: Sequence[float]
+) -> tuple[float, float, float]:
+    """Mean of after - before over the same problems, with a normal 95% interval."""
+    if len(before) != len(after) or not before:
+        raise ValueError("paired scores need the same, non-empty set of problems")
+    diffs = [a - b for a, b in zip(after, before, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    variance = sum((d - mean) ** 2 for d in diffs) / max(len(diffs) - 1, 1)
+    half = 1.96 * math.sqrt(variance / len(diffs))
+    return mean, mean - half, mean + half

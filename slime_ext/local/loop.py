@@ -1,0 +1,302 @@
+"""The embedded training loop: rollouts with the local policy and python worker, per-turn
+teacher scores from the teacher service, one update per step; metrics to JSONL and W&B;
+checkpoint and resume with the same data order.
+
+Resume guarantees: the tasks of step s are a function of (seed, s); a step's trajectories
+are written to trajectories/step_<s>.jsonl (replaced, never appended, when a step is
+redone after a crash) and its metrics line is dropped from metrics.jsonl on resume if the
+checkpoint predates it, so no trajectory is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from launch.config import JobConfig
+from rollout.chat import ChatRenderer
+from rollout.harness.tir import TIRConfig, TIRHarness
+from rollout.policy import HFPolicy, SamplingParams
+from rollout.runner import Runner, RunnerConfig, rollout_metrics
+from rollout.trajectory import Task, Trajectory, write_jsonl
+from sandbox import LocalSandboxConfig, PythonWorkerConfig
+from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+from teacher_server.client import TeacherClient
+
+CHECKPOINT = "checkpoint"
+StepCallback = Callable[[int, dict[str, float]], None]
+
+
+class TeacherStartError(RuntimeError):
+    """The embedded teacher service did not come up."""
+
+
+@contextlib.contextmanager
+def embedded_teacher(
+    model_dir: Path, log_path: Path, port: int | None = None, startup_timeout_s: float = 120.0
+) -> Iterator[str]:
+    """Run `opd-teacher serve` (hf backend) on 127.0.0.1 for the duration of the block."""
+    port = port or _free_port()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "teacher_server",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-queue",
+                "100000",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while True:
+                if server.poll() is not None:
+                    raise TeacherStartError(
+                        f"teacher exited with {server.returncode}; see {log_path}"
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise TeacherStartError(f"teacher not up after {startup_timeout_s:.0f} s")
+                time.sleep(0.2)
+            yield url
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tasks_for_step(tasks: Sequence[Task], step: int, per_step: int, seed: int) -> list[Task]:
+    """The tasks of one step: epochs walk a seeded permutation of the pool."""
+    per_epoch = max(len(tasks) // per_step, 1)
+    epoch, offset = divmod(step, per_epoch)
+    order = list(range(len(tasks)))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    chosen = order[offset * per_step : (offset + 1) * per_step]
+    return [tasks[i] for i in chosen]
+
+
+def tir_harness(max_tool_calls: int = 4) -> TIRHarness:
+    """The demo's harness: no numeric preloads, so each trajectory's worker starts fast."""
+    worker = PythonWorkerConfig(preload_modules=[], sandbox=LocalSandboxConfig())
+    return TIRHarness(TIRConfig(max_tool_calls=max_tool_calls, call_timeout_s=5.0, worker=worker))
+
+
+class LocalRun:
+    """A training run in `run_dir`, resumable from its checkpoint."""
+
+    def __init__(
+        self, job: JobConfig, student_dir: Path, run_dir: Path, console: Console | None = None
+    ) -> None:
+        self.job = job
+        self.run_dir = run_dir
+        self.console = console or Console()
+        checkpoint = run_dir / CHECKPOINT
+        source = checkpoint if (checkpoint / "config.json").is_file() else student_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(source)
+        self.model = AutoModelForCausalLM.from_pretrained(source).eval()
+        algorithm, rollout = job.algorithm, job.rollout
+        self.trainer = LocalTrainer(
+            self.model,
+            TrainerConfig(
+                lr=algorithm.lr,
+                weight_decay=algorithm.weight_decay,
+                grad_clip=algorithm.grad_clip,
+                temperature=rollout.temperature,
+                kl_coef=algorithm.kl_coef,
+                train_on_invalid_turns=algorithm.train_on_invalid_turns,
+            ),
+        )
+        self.step = 0
+        self.policy = HFPolicy(self.model, self.tokenizer.eos_token_id, seed=job.model.seed)
+        if (checkpoint / "trainer.pt").is_file():
+            state = torch.load(checkpoint / "trainer.pt", weights_only=False)
+            self.trainer.optimizer.load_state_dict(state["optimizer"])
+            self.policy.generator.set_state(state["sampler_rng"])
+            self.step = int(state["step"])
+            self._truncate_metrics(self.step)
+
+    def _truncate_metrics(self, resume_step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if line and json.loads(line)["step"] < resume_step
+        ]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def save(self) -> None:
+        """Atomically replace the checkpoint (model, optimizer, sampler RNG, next step)."""
+        target = self.run_dir / CHECKPOINT
+        staging = self.run_dir / f"{CHECKPOINT}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        self.model.save_pretrained(staging)
+        self.tokenizer.save_pretrained(staging)
+        torch.save(
+            {
+                "optimizer": self.trainer.optimizer.state_dict(),
+                "step": self.step,
+                "sampler_rng": self.policy.generator.get_state(),
+            },
+            staging / "trainer.pt",
+        )
+        if target.exists():
+            old = self.run_dir / f"{CHECKPOINT}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+
+    async def train(
+        self,
+        tasks: Sequence[Task],
+        teacher_url: str | None,
+        steps: int | None = None,
+        on_step: StepCallback | None = None,
+        api_key: str | None = None,
+    ) -> list[dict[str, float]]:
+        job = self.job
+        recipe = job.algorithm.recipe
+        if recipe not in ("opd", "rl", "sft"):
+            raise ValueError(
+                f"the local trainer runs opd, rl and sft; {recipe!r} is not yet supported here"
+            )
+        total = steps if steps is not None else job.algorithm.steps
+        harness = tir_harness()
+        renderer = ChatRenderer(
+            self.tokenizer, harness.tools, think_policy=job.rollout.think_policy
+        )
+        sampling = SamplingParams(
+            max_new_tokens=job.rollout.max_new_tokens,
+            temperature=job.rollout.temperature,
+            top_p=job.rollout.top_p,
+            top_k=job.rollout.top_k,
+        )
+        config = RunnerConfig(
+            concurrency=job.rollout.concurrency,
+            max_turns=job.rollout.max_turns,
+            max_new_tokens=job.rollout.max_new_tokens,
+            max_context_tokens=job.rollout.max_context_tokens,
+            trajectory_timeout_s=job.rollout.trajectory_timeout_s,
+            sampling=sampling,
+            teacher_scoring="per_turn" if recipe == "opd" else "none",
+        )
+        (self.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
+        history: list[dict[str, float]] = []
+        async with contextlib.AsyncExitStack() as stack:
+            teacher = None
+            if recipe == "opd":
+                if teacher_url is None:
+                    raise ValueError("recipe opd needs a teacher service URL")
+                teacher = await stack.enter_async_context(TeacherClient(teacher_url, api_key))
+            runner = Runner(harness, self.policy, renderer, config, teacher=teacher)
+            with Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            ) as progress:
+                bar = progress.add_task(f"{recipe} steps", total=total, completed=self.step)
+                while self.step < total:
+                    metrics = await self._one_step(runner, tasks, recipe)
+                    history.append(metrics)
+                    if on_step is not None:
+                        on_step(self.step - 1, metrics)
+                    progress.update(bar, completed=self.step)
+        return history
+
+    async def _one_step(
+        self, runner: Runner, tasks: Sequence[Task], recipe: str
+    ) -> dict[str, float]:
+        job = self.job
+        started = time.perf_counter()
+        batch = tasks_for_step(tasks, self.step, job.rollout.tasks_per_step, job.model.seed)
+        trajectories = await runner.run(batch, job.rollout.samples_per_task)
+        rollout_s = time.perf_counter() - started
+        path = self.run_dir / "trajectories" / f"step_{self.step:05d}.jsonl"
+        path.unlink(missing_ok=True)
+        write_jsonl(path, trajectories)
+        trained = self._trainable(trajectories, recipe)
+        train_started = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if trained:
+            metrics = self.trainer.step(trained, recipe)  # type: ignore[arg-type]
+        metrics.update(rollout_metrics(trajectories))
+        metrics.update(
+            {
+                "step": float(self.step),
+                "perf/rollout_time": rollout_s,
+                "perf/train_time": time.perf_counter() - train_started,
+                "perf/step_time": time.perf_counter() - started,
+                "train/trajectories_trained": float(len(trained)),
+            }
+        )
+        if "train/opd_reverse_kl" in metrics:
+            metrics["rollout/opd_reverse_kl"] = metrics["train/opd_reverse_kl"]
+            metrics["rollout/student_gt_teacher_frac"] = metrics["train/student_gt_teacher_frac"]
+        with (self.run_dir / "metrics.jsonl").open("a") as handle:
+            handle.write(json.dumps({"step": self.step, **metrics}) + "\n")
+        self.step += 1
+        if self.step % job.logging.save_every_steps == 0 or self.step == job.algorithm.steps:
+            self.save()
+        return metrics
+
+    @staticmethod
+    def _trainable(trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:
+        """Trajectories that carry a training signal; the rest are counted in metrics."""
+        usable = [t for t in trajectories if t.turns]
+        if recipe == "opd":
+            usable = [
+                t for t in usable if all(turn.teacher_logprobs is not None for turn in t.turns)
+            ]
+        return usable
+
+
+def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]

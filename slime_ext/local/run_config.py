@@ -1,0 +1,85 @@
+"""`opd train CONFIG.yaml` on one machine: resolve the models, start the embedded teacher
+when the job asks for one, run the local loop (resuming from the run directory)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from launch.config import JobConfig
+from rollout.tasks.arithmetic import make_tasks
+from slime_ext.local.factory import materialize
+from slime_ext.local.loop import LocalRun, embedded_teacher
+from slime_ext.local.wandb_log import WandbLogger
+
+BUNDLED_PREFIX = "bundled:"
+TRAIN_TASKS = 4000
+
+
+class UnsupportedLocalJob(ValueError):
+    """A job the embedded trainer cannot run (it says what to use instead)."""
+
+
+def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
+    """A local HF directory for `bundled:student|teacher`, `factory:<preset>` or a path."""
+    if name.startswith(BUNDLED_PREFIX):
+        from slime_ext.local.opd_demo import bundled_models
+
+        student, teacher = bundled_models()
+        which = name.removeprefix(BUNDLED_PREFIX)
+        if which not in ("student", "teacher"):
+            raise UnsupportedLocalJob(
+                f"{name!r}: bundled models are bundled:student and bundled:teacher"
+            )
+        return student if which == "student" else teacher
+    return materialize(name, cache_dir, seed=seed)
+
+
+@contextlib.contextmanager
+def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str | None]]:
+    """(url, api key) of the teacher service the job uses, started here when embedded."""
+    if job.algorithm.recipe != "opd":
+        yield None, None
+        return
+    teacher = job.teacher
+    if teacher.kind == "remote":
+        api_key = os.environ.get(teacher.api_key_env) if teacher.api_key_env else None
+        yield teacher.url, api_key
+        return
+    if teacher.kind != "embedded" or teacher.model is None:
+        raise UnsupportedLocalJob(
+            f"teacher kind {teacher.kind!r} is not run by the local trainer yet"
+        )
+    model_dir = resolve_model(teacher.model, run_dir / "models", seed=job.model.seed + 1)
+    with embedded_teacher(model_dir, run_dir / "teacher.log") as url:
+        yield url, None
+
+
+def run_local_job(job: JobConfig, console: Console | None = None) -> list[dict[str, Any]]:
+    if job.rollout.harness != "tir":
+        raise UnsupportedLocalJob(
+            "the local trainer runs the tir harness; SWE jobs run on the cluster path (launch/)"
+        )
+    if job.parallel.gpus_per_node:
+        raise UnsupportedLocalJob(
+            "parallel.gpus_per_node > 0 is a cluster job: submit it with the launch scripts"
+        )
+    run_dir = Path(job.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    student_dir = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)
+    tasks = make_tasks(TRAIN_TASKS, "train", seed=job.model.seed)
+    logger = WandbLogger(job, run_dir, name=run_dir.name)
+    run = LocalRun(job, student_dir, run_dir, console)
+    try:
+        with teacher_url(job, run_dir) as (url, api_key):
+            return asyncio.run(
+                run.train(tasks, url, api_key=api_key, on_step=lambda step, m: logger.log(m, step))
+            )
+    finally:
+        logger.finish()

@@ -1,0 +1,204 @@
+"""The embedded trainer: per-turn batches, the loss it applies, and train -> kill -> resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from rollout.chat import ChatRenderer, trajectory_from_conversation
+from rollout.harness.tir import TIRHarness
+from rollout.tasks.arithmetic import make_tasks, trace_messages
+from rollout.trajectory import MaskTier, Trajectory, read_jsonl
+from slime_ext.local.evaluate import paired_difference
+from slime_ext.local.factory import build_model
+from slime_ext.local.loop import tasks_for_step
+from slime_ext.local.trainer import LocalTrainer, TrainerConfig, group_advantages
+from slime_ext.losses import masked_nll, per_trajectory_mean, reverse_kl_pg_loss
+from slime_ext.turns import per_turn_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _traces(factory_tokenizer: Any, count: int) -> list[Trajectory]:
+    harness = TIRHarness()
+    renderer = ChatRenderer(factory_tokenizer, harness.tools)
+    return [
+        trajectory_from_conversation(
+            renderer,
+            task,
+            harness.initial_messages(task) + trace_messages(task),
+            task.task_id,
+            reward=1.0,
+        )
+        for task in make_tasks(count, "train", seed=3)
+    ]
+
+
+def _direct_span_logprobs(model: Any, trajectories: list[Trajectory]) -> torch.Tensor:
+    values = []
+    for trajectory in trajectories:
+        for k in range(trajectory.num_turns):
+            context, span = trajectory.context_ids(k), trajectory.span_ids(k)
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([context + span])).logits[0].float()
+            rows = torch.log_softmax(logits[len(context) - 1 : -1], dim=-1)
+            values.append(rows.gather(-1, torch.tensor(span)[:, None])[:, 0])
+    return torch.cat(values)
+
+
+def test_per_turn_batch_rows_predict_the_span(factory_tokenizer: Any) -> None:
+    trajectories = _traces(factory_tokenizer, 3)
+    trajectories[1].turns[0].mask_tier = MaskTier.INVALID_ACTION
+    batch = per_turn_batch(trajectories, "imitation")
+    flat = batch.input_ids.reshape(-1)
+    assert torch.equal(flat[batch.span_rows + 1], batch.targets)  # row p predicts p + 1
+    span_1_0 = len(trajectories[1].turns[0].span_ids)
+    start = sum(len(t.span_ids) for t in trajectories[0].turns)
+    assert not batch.loss_mask[start : start + span_1_0].any()  # tier 1: no imitation
+    assert per_turn_batch(trajectories, "kl").loss_mask.all()  # KL keeps it by default
+    assert batch.trajectory_index.tolist().count(2) == trajectories[2].span_token_count()
+
+
+@pytest.mark.parametrize("recipe", ["sft", "opd"])
+def test_trainer_loss_is_the_loss_module_per_trajectory(
+    factory_tokenizer: Any, recipe: str
+) -> None:
+    trajectories = _traces(factory_tokenizer, 3)
+    for trajectory in trajectories:
+        for turn in trajectory.turns:
+            turn.teacher_logprobs = [-1.5] * len(turn.span_ids)
+    model = build_model("qwen3-tiny", factory_tokenizer, seed=2)
+    trainer = LocalTrainer(model, TrainerConfig(chunk_size=7))
+    loss, _ = trainer.loss(trajectories, recipe)  # type: ignore[arg-type]
+    student = _direct_span_logprobs(model, trajectories)
+    batch = per_turn_batch(trajectories, "imitation" if recipe == "sft" else "kl")
+    per_token = (
+        masked_nll(student, batch.loss_mask).per_token
+        if recipe == "sft"
+        else reverse_kl_pg_loss(student, batch.teacher_logprobs, batch.loss_mask).per_token
+    )
+    expected = per_trajectory_mean(per_token, batch.loss_mask, batch.trajectory_index, 3)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
+
+
+def test_sft_lowers_the_nll(factory_tokenizer: Any) -> None:
+    trajectories = _traces(factory_tokenizer, 8)
+    trainer = LocalTrainer(
+        build_model("qwen3-tiny", factory_tokenizer, seed=1), TrainerConfig(lr=3e-3)
+    )
+    first = trainer.step(trajectories, "sft")["train/nll"]
+    for _ in range(5):
+        last = trainer.step(trajectories, "sft")["train/nll"]
+    assert last < first - 0.5
+
+
+def test_group_advantages() -> None:
+    trajectories = _traces_stub([("a", 1.0), ("a", 0.0), ("b", 1.0), ("c", 0.0)])
+    advantages = group_advantages(trajectories)
+    assert advantages[0] == pytest.approx(1.0, abs=1e-4)
+    assert advantages[1] == pytest.approx(-1.0, abs=1e-4)
+    assert advantages[2] == pytest.approx(1.0 - 0.5)  # alone: against the batch mean
+    assert advantages[3] == pytest.approx(0.0 - 0.5)
+
+
+def _traces_stub(rows: list[tuple[str, float]]) -> list[Trajectory]:
+    from rollout.trajectory import Task, TrajectoryStatus
+
+    return [
+        Trajectory(
+            trajectory_id=f"{task}#{i}",
+            task=Task(task_id=task, kind="tir", prompt="p"),
+            trunk_ids=[1],
+            status=TrajectoryStatus.COMPLETED,
+            status_reason="r",
+            reward=reward,
+        )
+        for i, (task, reward) in enumerate(rows)
+    ]
+
+
+def test_data_order_is_a_function_of_seed_and_step() -> None:
+    tasks = make_tasks(20, "train")
+    steps = [tasks_for_step(tasks, step, 4, seed=0) for step in range(10)]
+    assert steps == [tasks_for_step(tasks, step, 4, seed=0) for step in range(10)]
+    first_epoch = [t.task_id for batch in steps[:5] for t in batch]
+    assert sorted(first_epoch) == sorted(t.task_id for t in tasks)  # each once per epoch
+
+
+def test_paired_difference() -> None:
+    mean, low, high = paired_difference([0, 0, 1, 1], [1, 1, 1, 0])
+    assert mean == pytest.approx(0.25)
+    assert low < mean < high
+    with pytest.raises(ValueError, match="same, non-empty"):
+        paired_difference([1.0], [])
+
+
+@pytest.mark.timeout(600)
+def test_train_kill_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    """Random-init models, a short OPD config: rollout -> teacher -> loss -> update ->
+    checkpoint; SIGKILL after the first checkpoint; rerun; every step exactly once."""
+    run_dir = tmp_path / "run"
+    config = {
+        "model": {"student": "factory:qwen3-tiny", "seed": 0},
+        "rollout": {
+            "max_turns": 2,
+            "max_new_tokens": 12,
+            "max_context_tokens": 1024,
+            "tasks_per_step": 2,
+            "samples_per_task": 2,
+            "concurrency": 4,
+        },
+        "teacher": {"kind": "embedded", "model": "factory:qwen3-tiny"},
+        "algorithm": {"recipe": "opd", "steps": 4, "lr": 1e-3},
+        "logging": {"run_dir": str(run_dir), "wandb_mode": "disabled", "save_every_steps": 1},
+    }
+    config_path = tmp_path / "job.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "launch.cli", "train", str(config_path)]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    first = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    state = run_dir / "checkpoint" / "trainer.pt"
+    deadline = time.monotonic() + 300
+    while not (state.is_file() and _checkpoint_step(state) >= 1):
+        assert first.poll() is None, first.stderr.read().decode() if first.stderr else ""
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the trainer and its teacher, mid-run
+    first.wait(timeout=30)
+    resumed_from = _checkpoint_step(state)
+    second = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=400, check=False
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    tasks = make_tasks(4000, "train", seed=0)
+    for step in range(4):
+        trajectories = list(read_jsonl(run_dir / "trajectories" / f"step_{step:05d}.jsonl"))
+        expected = sorted(t.task_id for t in tasks_for_step(tasks, step, 2, seed=0) for _ in "ab")
+        assert sorted(t.task.task_id for t in trajectories) == expected
+        assert len({t.trajectory_id for t in trajectories}) == 4
+        assert all(turn.teacher_logprobs is not None for t in trajectories for turn in t.turns)
+    assert resumed_from >= 1 and _checkpoint_step(state) == 4
+    assert all("train/loss" in m for m in metrics)
+
+
+def _checkpoint_step(path: Path) -> int:
+    for _ in range(20):
+        try:
+            return int(torch.load(path, weights_only=False)["step"])
+        except (EOFError, RuntimeError, FileNotFoundError):
+            time.sleep(0.1)  # being replaced
+    raise AssertionError(f"{path} unreadable")
