@@ -194,7 +194,12 @@ class Runner:
             else:
                 builder.turns[-1].timings.sandbox_s += sandbox_s
             if outcome.done:
-                return TrajectoryStatus.COMPLETED, outcome.reason or "done"
+                status = (
+                    TrajectoryStatus.TRUNCATED
+                    if outcome.truncated
+                    else (TrajectoryStatus.COMPLETED)
+                )
+                return status, outcome.reason or "done"
         return TrajectoryStatus.TRUNCATED, "max turns"
 
     async def _score(self, task: Task, builder: TrajectoryBuilder, k: int) -> None:

@@ -27,7 +27,9 @@ class StepOutcome(BaseModel):
     """Overrides the turn's tier (a final answer without a tool call is VALID; a shell
     refusal is SHELL_ERROR); None keeps what parsing decided."""
     done: bool = False
-    """The task is finished (answer given, patch submitted)."""
+    """The episode is over (answer given, patch submitted, or a harness limit reached)."""
+    truncated: bool = False
+    """With done: it ended at a harness limit (e.g. a step limit), not by finishing."""
     reason: str | None = None
     """Why it ended, for the trajectory's status_reason."""
 

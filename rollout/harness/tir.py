@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.chat import Message, RecordedTurn
 from rollout.harness.base import StepOutcome
+from rollout.harness.prompts import read_prompts
 from rollout.rewards.math import grade_answer, last_boxed
 from rollout.toolcalls import NoToolCallError
 from rollout.trajectory import MaskTier, Task
@@ -44,12 +43,6 @@ class TIRConfig(BaseModel):
     worker: PythonWorkerConfig = Field(default_factory=PythonWorkerConfig)
 
 
-def load_prompts(name: str) -> dict[str, str]:
-    text = resources.files("rollout.harness.prompts").joinpath(f"{name}.yaml").read_text()
-    prompts: dict[str, str] = yaml.safe_load(text)
-    return prompts
-
-
 def clip_middle(text: str, limit: int) -> str:
     """Head and tail of `text` within `limit` characters, saying how much was left out."""
     if len(text) <= limit:
@@ -63,7 +56,7 @@ class TIRHarness:
 
     def __init__(self, config: TIRConfig | None = None) -> None:
         self.config = config or TIRConfig()
-        self.prompts = load_prompts("tir")
+        self.prompts: dict[str, str] = read_prompts("tir")
         self.tools = [PYTHON_TOOL]
 
     def initial_messages(self, task: Task) -> list[Message]:
