@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout.chat import ChatRenderer, trajectory_from_conversation
 from rollout.harness.tir import TIRHarness
 from rollout.tasks.arithmetic import make_tasks, trace_messages
-from rollout.trajectory import Trajectory
+from rollout.trajectory import MaskTier, Trajectory
 from slime_ext.local.factory import build_model, build_tokenizer
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 
@@ -43,17 +43,17 @@ class DemoModelsRecipe(BaseModel):
 def trace_trajectories(
     renderer: ChatRenderer, harness: TIRHarness, count: int, seed: int
 ) -> list[Trajectory]:
-    tasks = make_tasks(count, "train", seed=seed)
-    return [
-        trajectory_from_conversation(
-            renderer,
-            task,
-            harness.initial_messages(task) + trace_messages(task),
-            task.task_id,
-            reward=1.0,
+    trajectories = []
+    for task in make_tasks(count, "train", seed=seed):
+        messages = harness.initial_messages(task) + trace_messages(task)
+        trajectory = trajectory_from_conversation(
+            renderer, task, messages, task.task_id, reward=1.0
         )
-        for task in tasks
-    ]
+        # The last turn answers without a tool call: parsing calls that tier 1, the TIR
+        # harness calls it a valid final answer, and so must the traces.
+        trajectory.turns[-1].mask_tier = MaskTier.VALID
+        trajectories.append(trajectory)
+    return trajectories
 
 
 def build_demo_models(
