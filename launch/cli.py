@@ -124,8 +124,8 @@ app.add_typer(demo_models_app, name="demo-models")
 @demo_models_app.command("build")
 def demo_models_build(
     out: Annotated[Path, typer.Option(help="Where to write student/ and teacher/.")],
-    student_step: Annotated[int, typer.Option(help="SFT step saved as the student.")] = 300,
-    teacher_step: Annotated[int, typer.Option(help="SFT step saved as the teacher.")] = 1500,
+    student_step: Annotated[int, typer.Option(help="SFT step saved as the student.")] = 500,
+    teacher_step: Annotated[int, typer.Option(help="SFT step saved as the teacher.")] = 1200,
     seed: Annotated[int, typer.Option(help="Initialization and data seed.")] = 0,
 ) -> None:
     """Train the demo's models by SFT on worked traces (the recorded recipe)."""

@@ -28,8 +28,9 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     student: str = "factory:qwen3-tiny"
-    """Student checkpoint: a local HF directory, or `factory:<preset>` for a small model
-    built by `slime_ext.local.factory` (random init, deterministic by `seed`)."""
+    """Student checkpoint: a local HF directory, `factory:<preset>` for a small random-init
+    model built by `slime_ext.local.factory` (deterministic by `seed`), or `bundled:student`
+    (the demo's SFT-trained student)."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to the student's own."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -159,6 +160,9 @@ class AlgorithmConfig(Section):
     """Global gradient-norm clip."""
     kl_coef: float = Field(default=1.0, ge=0.0)
     """Weight of the per-token reverse-KL advantage."""
+    opd_loss: Literal["sampled", "topk_tail", "topk_renorm"] = "sampled"
+    """OPD's per-token loss: the sampled reverse KL in policy-gradient form, or the reverse
+    KL against the teacher's top-k (teacher.top_k > 0) with a tail bucket or renormalized."""
     train_on_invalid_turns: bool = True
     """Whether KL-to-teacher losses train on tier-1/2 invalid turns (imitation losses never do)."""
 
@@ -177,7 +181,8 @@ class LoggingConfig(Section):
 
 
 class JobConfig(Section):
-    """A whole job. Every section has defaults: `JobConfig()` is the one-machine OPD demo."""
+    """A whole job. Every section has defaults (a small local OPD job on factory models);
+    launch/configs/demo.yaml is what `opd demo` trains."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -199,6 +204,11 @@ class JobConfig(Section):
             raise ValueError(
                 "recipe 'opd' needs a separate teacher (teacher.kind embedded or remote); "
                 "a self-teacher with a hint is recipe 'opsd'"
+            )
+        if self.algorithm.opd_loss != "sampled" and self.teacher.top_k == 0:
+            raise ValueError(
+                f"algorithm.opd_loss '{self.algorithm.opd_loss}' needs the teacher's top-k: "
+                "set teacher.top_k > 0"
             )
         if self.rollout.max_new_tokens >= self.rollout.max_context_tokens:
             raise ValueError(

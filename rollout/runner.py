@@ -221,6 +221,8 @@ class Runner:
             ]
         )
         turn.teacher_logprobs = result.logprobs
+        turn.teacher_topk_ids = result.top_k_ids
+        turn.teacher_topk_logprobs = result.top_k_logprobs
         turn.timings.teacher_s += time.perf_counter() - started
 
 

@@ -83,6 +83,10 @@ class Turn(BaseModel):
     """The sampler's log-prob of each span id."""
     teacher_logprobs: list[float] | None = None
     """The teacher's log-prob of each span id, given the teacher's context."""
+    teacher_topk_ids: list[list[int]] | None = None
+    """The teacher's k most likely ids at each span position (when scored with top_k)."""
+    teacher_topk_logprobs: list[list[float]] | None = None
+    """Their log-probs (same temperature as the rollout)."""
     observation_ids: list[int] = Field(default_factory=list)
     """The tool's output tokenized on its own, for token accounting (the trunk holds it as
     the template renders it); empty when the turn got no observation."""
@@ -113,7 +117,7 @@ class Turn(BaseModel):
         span_len = len(self.span_ids)
         if self.think_len > span_len:
             raise ValueError(f"think_len ({self.think_len}) exceeds len(span_ids) ({span_len})")
-        for name in ("logprobs", "teacher_logprobs"):
+        for name in ("logprobs", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs"):
             values = getattr(self, name)
             if values is not None and len(values) != span_len:
                 raise ValueError(

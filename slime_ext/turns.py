@@ -41,6 +41,10 @@ class TurnBatch:
     """[T] the rollout's log-probs, when every turn has them."""
     teacher_logprobs: Tensor | None
     """[T] the teacher's log-probs, when every turn has them."""
+    teacher_topk_ids: Tensor | None
+    """[T, k] the teacher's top-k ids, when every turn has them (same k)."""
+    teacher_topk_logprobs: Tensor | None
+    """[T, k] their log-probs."""
     num_trajectories: int
 
     @property
@@ -61,7 +65,9 @@ def per_turn_batch(
     owners: list[int] = []
     sampler: list[float] = []
     teacher: list[float] = []
-    has_sampler = has_teacher = True
+    topk_ids: list[list[int]] = []
+    topk_logprobs: list[list[float]] = []
+    has_sampler = has_teacher = has_topk = True
     for index, trajectory in enumerate(trajectories):
         for k, turn in enumerate(trajectory.turns):
             context = trajectory.context_ids(k)
@@ -73,8 +79,11 @@ def per_turn_batch(
             owners += [index] * len(turn.span_ids)
             has_sampler &= turn.logprobs is not None
             has_teacher &= turn.teacher_logprobs is not None
+            has_topk &= turn.teacher_topk_ids is not None
             sampler += turn.logprobs or []
             teacher += turn.teacher_logprobs or []
+            topk_ids += turn.teacher_topk_ids or []
+            topk_logprobs += turn.teacher_topk_logprobs or []
     width = max((len(s) for s in sequences), default=1)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -93,5 +102,7 @@ def per_turn_batch(
         trajectory_index=torch.tensor(owners, dtype=torch.long),
         sampler_logprobs=torch.tensor(sampler) if has_sampler and sequences else None,
         teacher_logprobs=torch.tensor(teacher) if has_teacher and sequences else None,
+        teacher_topk_ids=torch.tensor(topk_ids) if has_topk and sequences else None,
+        teacher_topk_logprobs=torch.tensor(topk_logprobs) if has_topk and sequences else None,
         num_trajectories=len(trajectories),
     )

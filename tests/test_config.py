@@ -29,7 +29,7 @@ def _write(tmp_path: Path, data: object) -> Path:
     return path
 
 
-def test_defaults_are_the_embedded_opd_demo() -> None:
+def test_defaults_are_a_local_opd_job() -> None:
     config = JobConfig()
     assert config.algorithm.recipe == "opd"
     assert config.teacher.kind == "embedded"

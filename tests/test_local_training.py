@@ -23,7 +23,12 @@ from slime_ext.local.evaluate import paired_difference
 from slime_ext.local.factory import build_model
 from slime_ext.local.loop import tasks_for_step
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig, group_advantages
-from slime_ext.losses import masked_nll, per_trajectory_mean, reverse_kl_pg_loss
+from slime_ext.losses import (
+    masked_nll,
+    per_trajectory_mean,
+    reverse_kl_pg_loss,
+    teacher_topk_kl,
+)
 from slime_ext.turns import per_turn_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -67,6 +72,38 @@ def test_per_turn_batch_rows_predict_the_span(factory_tokenizer: Any) -> None:
     assert not batch.loss_mask[start : start + span_1_0].any()  # tier 1: no imitation
     assert per_turn_batch(trajectories, "kl").loss_mask.all()  # KL keeps it by default
     assert batch.trajectory_index.tolist().count(2) == trajectories[2].span_token_count()
+
+
+def test_trainer_topk_loss_is_teacher_topk_kl_per_trajectory(factory_tokenizer: Any) -> None:
+    trajectories = _traces(factory_tokenizer, 2)
+    generator = torch.Generator().manual_seed(0)
+    for trajectory in trajectories:
+        for turn in trajectory.turns:
+            span = len(turn.span_ids)
+            turn.teacher_topk_ids = torch.randint(0, 50, (span, 4), generator=generator).tolist()
+            turn.teacher_topk_logprobs = (torch.rand(span, 4, generator=generator) - 3).tolist()
+    model = build_model("qwen3-tiny", factory_tokenizer, seed=2)
+    trainer = LocalTrainer(model, TrainerConfig(opd_loss="topk_tail", chunk_size=5))
+    loss, metrics = trainer.loss(trajectories, "opd")
+    batch = per_turn_batch(trajectories, "kl")
+    rows = []
+    for trajectory in trajectories:
+        for k in range(trajectory.num_turns):
+            context, span = trajectory.context_ids(k), trajectory.span_ids(k)
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([context + span])).logits[0]
+            rows.append(logits[len(context) - 1 : -1])
+    assert batch.teacher_topk_ids is not None and batch.teacher_topk_logprobs is not None
+    per_token = teacher_topk_kl(
+        torch.cat(rows),
+        batch.teacher_topk_ids,
+        batch.teacher_topk_logprobs,
+        batch.loss_mask,
+        tail=True,
+    ).per_token
+    expected = per_trajectory_mean(per_token, batch.loss_mask, batch.trajectory_index, 2)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
+    assert "train/teacher_topk_kl" in metrics
 
 
 @pytest.mark.parametrize("recipe", ["sft", "opd"])

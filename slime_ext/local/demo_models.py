@@ -33,7 +33,7 @@ class DemoModelsRecipe(BaseModel):
     train_tasks: int = 4000
     batch_size: int = Field(default=16, ge=1)
     lr: float = 3e-3
-    student_step: int = Field(default=150, ge=1)
+    student_step: int = Field(default=500, ge=1)
     """The student is saved here: partly trained, so it errs often."""
     teacher_step: int = Field(default=1200, ge=1)
     snapshot_every: int = Field(default=0, ge=0)

@@ -142,6 +142,7 @@ class LocalRun:
                 temperature=rollout.temperature,
                 kl_coef=algorithm.kl_coef,
                 train_on_invalid_turns=algorithm.train_on_invalid_turns,
+                opd_loss=algorithm.opd_loss,
             ),
         )
         self.step = 0
@@ -221,6 +222,7 @@ class LocalRun:
             trajectory_timeout_s=job.rollout.trajectory_timeout_s,
             sampling=sampling,
             teacher_scoring="per_turn" if recipe == "opd" else "none",
+            teacher_top_k=job.teacher.top_k,
         )
         (self.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []

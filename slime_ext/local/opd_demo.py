@@ -21,7 +21,7 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from launch.config import JobConfig, config_from_dict
+from launch.config import JobConfig, load_config
 from rollout.policy import HFPolicy
 from rollout.tasks.arithmetic import make_tasks
 from slime_ext.local.evaluate import correct, evaluate, paired_difference
@@ -42,25 +42,9 @@ def bundled_models() -> tuple[Path, Path]:
 
 
 def demo_job(run_dir: Path, steps: int) -> JobConfig:
-    return config_from_dict(
-        {
-            "model": {"student": "bundled:student", "seed": 0},
-            "rollout": {
-                "harness": "tir",
-                "max_turns": 4,
-                "max_new_tokens": 64,
-                "max_context_tokens": 1024,
-                "tasks_per_step": 32,
-                "concurrency": 32,
-                "temperature": 1.0,
-                "trajectory_timeout_s": 120,
-            },
-            "teacher": {"kind": "embedded", "model": "bundled:teacher"},
-            "algorithm": {"recipe": "opd", "steps": steps, "lr": 1e-3, "grad_clip": 1.0},
-            "logging": {"run_dir": str(run_dir), "save_every_steps": 5},
-        },
-        source="demo",
-    )
+    """launch/configs/demo.yaml with this run's directory and step count."""
+    path = Path(str(resources.files("launch.configs").joinpath("demo.yaml")))
+    return load_config(path, [f"logging.run_dir={run_dir}", f"algorithm.steps={steps}"])
 
 
 async def _accuracy(model_dir: Path, tasks: list[Any]) -> list[float]:

@@ -21,6 +21,8 @@ from rollout.trajectory import Trajectory
 from slime_ext.losses import (
     masked_nll,
     reverse_kl_pg_loss,
+    sampled_reverse_kl,
+    teacher_topk_kl,
     trajectory_token_weights,
     weighted_sum,
 )
@@ -45,6 +47,8 @@ class TrainerConfig(BaseModel):
     """KL and RL losses train on tier-1/2 turns (imitation never does)."""
     chunk_size: int = Field(default=64, ge=1)
     """Tokens per LM-head chunk."""
+    opd_loss: Literal["sampled", "topk_tail", "topk_renorm"] = "sampled"
+    """See AlgorithmConfig.opd_loss."""
 
 
 class MissingTeacherScores(ValueError):
@@ -95,15 +99,42 @@ class LocalTrainer:
 
         return fused_lm_head(kernel, rows, weight, [batch.targets], self.config.chunk_size)
 
+    def teacher_topk_loss(self, batch: TurnBatch) -> Tensor:
+        """Reverse KL to the teacher's top-k at every span position (fused LM head)."""
+        if batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
+            raise MissingTeacherScores(
+                "opd_loss top-k needs teacher top-k on every turn: score with teacher.top_k > 0"
+            )
+        hidden = self.model.base_model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).last_hidden_state
+        rows = hidden.reshape(-1, hidden.shape[-1])[batch.span_rows]
+        weight = self.model.get_output_embeddings().weight
+        temperature, tail = self.config.temperature, self.config.opd_loss == "topk_tail"
+
+        def kernel(logits: Tensor, ids: Tensor, logprobs: Tensor, valid: Tensor) -> Tensor:
+            return teacher_topk_kl(logits, ids, logprobs, valid, temperature, tail).per_token
+
+        tensors = [batch.teacher_topk_ids, batch.teacher_topk_logprobs, batch.loss_mask]
+        return fused_lm_head(kernel, rows, weight, tensors, self.config.chunk_size)
+
     def loss(
         self, trajectories: Sequence[Trajectory], recipe: TrainRecipe
     ) -> tuple[Tensor, dict[str, float]]:
         kind: LossKind = "imitation" if recipe == "sft" else "kl"
         batch = per_turn_batch(trajectories, kind, self.config.train_on_invalid_turns, self.pad_id)
-        student = self.span_logprobs(batch)
         mask = batch.loss_mask
         metrics: dict[str, float] = {"train/loss_tokens": float(batch.num_loss_tokens)}
-        if recipe == "opd":
+        if recipe == "opd" and self.config.opd_loss != "sampled":
+            per_token = self.teacher_topk_loss(batch) * self.config.kl_coef
+            metrics["train/teacher_topk_kl"] = float(
+                (per_token.detach() * mask).sum() / mask.sum().clamp(min=1)
+            )
+            if batch.teacher_logprobs is not None and batch.sampler_logprobs is not None:
+                # the sampled estimator at the rollout's own log-probs, as a metric
+                sampled = sampled_reverse_kl(batch.sampler_logprobs, batch.teacher_logprobs, mask)
+                metrics.update({f"train/{k}": float(v) for k, v in sampled.metrics.items()})
+        elif recipe == "opd":
             if batch.teacher_logprobs is None:
                 raise MissingTeacherScores(
                     "OPD needs teacher_logprobs on every turn: run the "
@@ -111,15 +142,19 @@ class LocalTrainer:
                 )
             old = batch.sampler_logprobs if self.config.pg_clip is not None else None
             result = reverse_kl_pg_loss(
-                student, batch.teacher_logprobs, mask, old_logprobs=old, clip=self.config.pg_clip
+                self.span_logprobs(batch),
+                batch.teacher_logprobs,
+                mask,
+                old_logprobs=old,
+                clip=self.config.pg_clip,
             )
             per_token = result.per_token * self.config.kl_coef
             metrics.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
         elif recipe == "rl":
             advantages = torch.tensor(group_advantages(trajectories))[batch.trajectory_index]
-            per_token = -advantages * student
+            per_token = -advantages * self.span_logprobs(batch)
         else:
-            result = masked_nll(student, mask)
+            result = masked_nll(self.span_logprobs(batch), mask)
             per_token = result.per_token
             metrics["train/nll"] = float(result.metrics["nll"])
         weights = trajectory_token_weights(mask, batch.trajectory_index, batch.num_trajectories)
