@@ -19,15 +19,24 @@ def test_bundled_models_share_a_tokenizer() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_demo_writes_its_summary_plot_and_run(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_demo_writes_its_summary_plot_and_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = tmp_path / "demo"
     summary = run_opd_demo(out, steps=2, n_heldout=12, console=Console(quiet=True))
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == summary
-    for key in ("accuracy_before", "accuracy_after", "n_heldout", "diff_ci95",
-                "opd_reverse_kl_first", "opd_reverse_kl_last", "wall_s", "plot"):
+    for key in (
+        "accuracy_before",
+        "accuracy_after",
+        "n_heldout",
+        "diff_ci95",
+        "opd_reverse_kl_first",
+        "opd_reverse_kl_last",
+        "wall_s",
+        "plot",
+    ):
         assert key in summary
     assert summary["n_heldout"] == 12 and summary["steps"] == 2
     low, high = summary["diff_ci95"]
