@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean sandbox-tools
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,10 +13,18 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(BIN)/pip install --quiet -c constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# Sandboxed code runs under bubblewrap (strict isolation); without it the sandbox falls
+# back to basic isolation, where a root-only interpreter (a pyenv under /root) cannot run.
+sandbox-tools:
+	@command -v bwrap >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+		else echo "install bubblewrap (bwrap) for sandboxed code: e.g. sudo apt-get install bubblewrap"; fi; }
+
+demo: $(STAMP) sandbox-tools
 	$(BIN)/opd demo
 
-test: $(STAMP)
+test: $(STAMP) sandbox-tools
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
