@@ -15,6 +15,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rollout.chat import common_prefix_len
+
 
 def create_standin(model: Any, context_length: int, misalign: bool = False) -> FastAPI:
     app = FastAPI()
@@ -46,7 +48,7 @@ def create_standin(model: Any, context_length: int, misalign: bool = False) -> F
                 "logprob_start_len."
             )
             return JSONResponse({"error": {"message": message}}, status_code=400)
-        cached = max((_shared(ids, old) for old in seen), default=0)
+        cached = max((common_prefix_len(ids, old) for old in seen), default=0)
         cached = min(cached, max(start, 0), len(ids) - 1)
         seen.append(ids)
         with torch.no_grad():
@@ -111,12 +113,3 @@ def _generate(model: Any, ids: list[int], params: dict[str, Any]) -> dict[str, A
         "output_token_logprobs": entries,
     }
     return {"text": "", "output_ids": output, "meta_info": meta}
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count

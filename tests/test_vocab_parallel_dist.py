@@ -8,7 +8,6 @@ oracle for the sharded log-prob path.
 
 from __future__ import annotations
 
-import socket
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,19 +27,14 @@ from slime_ext.losses import (
     weighted_sum,
 )
 from slime_ext.vocab_parallel import VocabShard, token_logprobs
+from tests.live_server import free_port
 
 TOKENS, PADDED_VOCAB, REAL_VOCAB = 12, 16, 13
 ATOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _spawn(worker: Callable[..., None], world_size: int) -> None:
-    port = _free_port()
+    port = free_port()
     mp.start_processes(
         worker, args=(world_size, port), nprocs=world_size, join=True, start_method="spawn"
     )
