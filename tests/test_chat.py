@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from rollout.chat import ChatRenderer, Message, TrajectoryBuilder, trajectory_from_conversation
+from rollout.harness.tir import PYTHON_TOOL
 from rollout.toolcalls import NoToolCallError, ToolCall, render_tool_call
 from rollout.trajectory import (
     MaskTier,
@@ -17,20 +18,7 @@ from rollout.trajectory import (
     token_accounting,
 )
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "python",
-            "description": "Run Python code.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    }
-]
+TOOLS = [PYTHON_TOOL]  # the TIR harness's python tool
 TASK = Task(task_id="sum-squares", kind="tir", prompt="Sum the squares of 1..10.", answer="385")
 PROMPT: list[Message] = [
     {"role": "system", "content": "Use python. Answer in \\boxed{}."},

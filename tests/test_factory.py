@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout.harness.tir import PYTHON_TOOL
 from slime_ext.local.factory import (
     MARKUP_TOKENS,
     PRESETS,
@@ -17,20 +18,7 @@ from slime_ext.local.factory import (
     materialize,
 )
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "python",
-            "description": "Run Python code.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    }
-]
+TOOLS = [PYTHON_TOOL]  # the TIR harness's python tool
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "Solve with tools."},
     {"role": "user", "content": "What is 12 * 7?"},
