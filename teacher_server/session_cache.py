@@ -18,6 +18,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from rollout.chat import common_prefix_len
+
 LayerSnapshot = dict[int, Any]
 """layer index -> a deep copy of that linear-attention layer's cache."""
 
@@ -76,11 +78,7 @@ class SessionState:
 
     def reuse_length(self, ids: list[int], limit: int) -> int:
         """How many leading ids of a new request this state can serve (at most `limit`)."""
-        shared = 0
-        for cached, new in zip(self.ids, ids, strict=False):
-            if cached != new or shared >= limit:
-                break
-            shared += 1
+        shared = min(common_prefix_len(self.ids, ids), limit)
         if not linear_layer_indices(self.cache):
             return shared
         return max((p for p in self.snapshots if p <= shared), default=0)
