@@ -51,6 +51,11 @@ class TurnBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def num_processed_tokens(self) -> int:
+        """Tokens the forward pass runs over (padding excluded): the per-turn cost."""
+        return int(self.attention_mask.sum())
+
 
 def per_turn_batch(
     trajectories: Sequence[Trajectory],

@@ -72,6 +72,12 @@ def test_per_turn_batch_rows_predict_the_span(factory_tokenizer: Any) -> None:
     assert not batch.loss_mask[start : start + span_1_0].any()  # tier 1: no imitation
     assert per_turn_batch(trajectories, "kl").loss_mask.all()  # KL keeps it by default
     assert batch.trajectory_index.tolist().count(2) == trajectories[2].span_token_count()
+    per_turn_cost = sum(
+        len(t.context_ids(k)) + len(turn.span_ids)
+        for t in trajectories
+        for k, turn in enumerate(t.turns)
+    )
+    assert batch.num_processed_tokens == per_turn_cost
 
 
 def test_trainer_topk_loss_is_teacher_topk_kl_per_trajectory(factory_tokenizer: Any) -> None:
@@ -230,6 +236,12 @@ def test_train_kill_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
         assert all(turn.teacher_logprobs is not None for t in trajectories for turn in t.turns)
     assert resumed_from >= 1 and _checkpoint_step(state) == 4
     assert all("train/loss" in m for m in metrics)
+    for m in metrics:
+        assert m["perf/processed_tokens_per_loss_token"] == pytest.approx(
+            m["train/processed_tokens"] / m["train/loss_tokens"]
+        )
+        assert m["perf/processed_tokens_per_loss_token"] > 1  # contexts are recomputed
+        assert m["perf/effective_tokens_per_gpu_per_sec"] > 0
 
 
 def _checkpoint_step(path: Path) -> int:

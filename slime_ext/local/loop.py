@@ -276,6 +276,16 @@ class LocalRun:
                 "train/trajectories_trained": float(len(trained)),
             }
         )
+        loss_tokens = metrics.get("train/loss_tokens", 0.0)
+        if loss_tokens:
+            # one device here: loss-carrying tokens per second of the update, and what
+            # the per-turn layout costs per such token (DESIGN.md metrics)
+            metrics["perf/effective_tokens_per_gpu_per_sec"] = (
+                loss_tokens / metrics["perf/train_time"]
+            )
+            metrics["perf/processed_tokens_per_loss_token"] = (
+                metrics["train/processed_tokens"] / loss_tokens
+            )
         if "train/opd_reverse_kl" in metrics:
             metrics["rollout/opd_reverse_kl"] = metrics["train/opd_reverse_kl"]
             metrics["rollout/student_gt_teacher_frac"] = metrics["train/student_gt_teacher_frac"]

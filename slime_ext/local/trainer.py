@@ -124,7 +124,10 @@ class LocalTrainer:
         kind: LossKind = "imitation" if recipe == "sft" else "kl"
         batch = per_turn_batch(trajectories, kind, self.config.train_on_invalid_turns, self.pad_id)
         mask = batch.loss_mask
-        metrics: dict[str, float] = {"train/loss_tokens": float(batch.num_loss_tokens)}
+        metrics: dict[str, float] = {
+            "train/loss_tokens": float(batch.num_loss_tokens),
+            "train/processed_tokens": float(batch.num_processed_tokens),
+        }
         if recipe == "opd" and self.config.opd_loss != "sampled":
             per_token = self.teacher_topk_loss(batch) * self.config.kl_coef
             metrics["train/teacher_topk_kl"] = float(
