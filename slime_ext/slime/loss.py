@@ -1,0 +1,182 @@
+"""The custom loss slime calls per micro-batch: `slime_ext.losses` under slime's conventions.
+
+    --loss-type custom_loss --custom-loss-function-path slime_ext.slime.loss.loss
+
+slime calls `loss(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`
+(slime/backends/megatron_utils/loss.py, loss_function). What that means here:
+- logits are this rank's [1, T_local, V/TP] fp32 rows, raw: divided by
+  --rollout-temperature here, as slime's own log-prob path does;
+- samples are packed one after another, each CP-sliced in the zigzag layout (`cp.py`);
+- teacher_log_probs, rollout_log_probs and advantages arrive CP-sliced already (the actor
+  slices them): they are used as they are; loss_masks arrive whole and are sliced here;
+- `sum_of_sample_mean` divides each sample's sum by its rollout's loss-token count (all
+  turns of one trajectory share a rollout_id), and slime then averages over rollouts:
+  the per-trajectory normalization of DESIGN.md invariant 7;
+- a rank whose slices are all empty returns a zero still connected to the logits.
+
+Only the sampled-token OPD signal reaches this loss: slime's batch carries a fixed key
+list (teacher_log_probs, not per-token top-k), so `algorithm.opd_loss` must be `sampled`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_ext.losses import TokenLoss, masked_nll, reverse_kl_pg_loss, sampled_reverse_kl
+from slime_ext.slime.cp import ResponseSlice, response_slices
+from slime_ext.slime.settings import HookConfigError, Parallel, job_config, megatron_parallel
+from slime_ext.vocab_parallel import VocabShard, token_logprobs
+
+METRICS = ("opd_reverse_kl", "student_gt_teacher_frac", "loss_tokens")
+"""The keys every call returns (slime sums them across micro-batches by position)."""
+
+
+class SlimeBatchError(ValueError):
+    """The batch slime passed does not fit the recipe (a missing key, a length mismatch)."""
+
+
+def loss(
+    args: Any,
+    batch: dict[str, Any],
+    logits: Tensor,
+    sum_of_sample_mean: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    job = job_config(args)
+    if job.algorithm.recipe in ("opd", "opsd") and job.algorithm.opd_loss != "sampled":
+        raise HookConfigError(
+            f"algorithm.opd_loss {job.algorithm.opd_loss!r} needs per-token teacher top-k, "
+            "which slime's batch cannot carry to a custom loss: use 'sampled' on slime"
+        )
+    parallel = megatron_parallel()
+    if logits.dim() != 3 or logits.size(0) != 1:
+        raise SlimeBatchError(f"logits must be [1, T_local, V/TP], got {tuple(logits.shape)}")
+    rows = logits[0]
+    slices = response_slices(
+        list(batch["total_lengths"]),
+        list(batch["response_lengths"]),
+        parallel.cp_rank,
+        parallel.cp_size,
+    )
+    count = sum(len(s.local_rows) for s in slices)
+    if count == 0:
+        # a short span can land wholly on another CP rank: stay in the graph
+        zero = 0.0 * logits.sum()
+        return zero, {key: zero.detach() for key in METRICS}
+    row_index = torch.tensor([r for s in slices for r in s.local_rows], device=rows.device)
+    targets = torch.cat(
+        [
+            _response(tokens, length)[torch.tensor(s.response_index, dtype=torch.long)]
+            for tokens, length, s in zip(
+                batch["unconcat_tokens"], batch["response_lengths"], slices, strict=True
+            )
+        ]
+    ).to(rows.device)
+    mask = _local(batch["loss_masks"], batch["response_lengths"], slices).bool()
+    student = token_logprobs(
+        rows[row_index],
+        targets,
+        _shard(parallel, args),
+        temperature=float(getattr(args, "rollout_temperature", 1.0)),
+        chunk_size=_chunk_size(args),
+    )
+    result, kl = _recipe_loss(job.algorithm.recipe, args, batch, slices, student, mask)
+    total = sum_of_sample_mean(result.per_token * job.algorithm.kl_coef)
+    if kl is None:
+        zero = torch.zeros((), device=rows.device)
+        kl_metric, above = zero, zero
+    else:
+        kl_metric = sum_of_sample_mean(kl.per_token).detach()
+        above = sum_of_sample_mean(_above(kl, mask)).detach()
+    return total, {
+        "opd_reverse_kl": kl_metric,
+        "student_gt_teacher_frac": above,
+        "loss_tokens": mask.sum().float().detach(),
+    }
+
+
+def _recipe_loss(
+    recipe: str,
+    args: Any,
+    batch: dict[str, Any],
+    slices: list[ResponseSlice],
+    student: Tensor,
+    mask: Tensor,
+) -> tuple[TokenLoss, TokenLoss | None]:
+    """The per-token loss of the job's recipe, and the sampled reverse KL when a teacher
+    scored the tokens."""
+    if recipe in ("ssd", "sft"):
+        return masked_nll(student, mask), None
+    if recipe == "rl":
+        advantages = _sliced_given(batch, "advantages", slices)
+        per_token = torch.where(mask, -advantages * student, torch.zeros_like(student))
+        return TokenLoss(per_token, {}), None
+    teacher = _sliced_given(batch, "teacher_log_probs", slices)
+    old_key = "rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs"
+    old = _sliced_given(batch, old_key, slices) if batch.get(old_key) is not None else None
+    clip = None
+    if old is not None:  # reused samples: PPO-clip the ratio as slime's policy loss does
+        eps_low = float(getattr(args, "eps_clip", 0.2))
+        eps_high = float(getattr(args, "eps_clip_high", None) or eps_low)
+        clip = (1.0 - eps_low, 1.0 + eps_high)
+    result = reverse_kl_pg_loss(student, teacher, mask, old_logprobs=old, clip=clip)
+    behaviour = student if old is None else old
+    return result, sampled_reverse_kl(behaviour, teacher, mask)
+
+
+def _above(kl: TokenLoss, mask: Tensor) -> Tensor:
+    """1 on loss tokens where the student's log-prob exceeds the teacher's (k_t > 0)."""
+    return ((kl.per_token > 0) & mask).float()
+
+
+def _response(tokens: Tensor, response_length: int) -> Tensor:
+    return tokens[len(tokens) - int(response_length) :]
+
+
+def _local(
+    values: Sequence[Tensor], response_lengths: Sequence[int], slices: list[ResponseSlice]
+) -> Tensor:
+    """Whole-response per-sample tensors (loss_masks) cut to this rank's positions."""
+    pieces = []
+    for value, length, s in zip(values, response_lengths, slices, strict=True):
+        if len(value) != int(length):
+            raise SlimeBatchError(f"a loss mask of {len(value)} for a response of {length}")
+        pieces.append(value[torch.tensor(s.response_index, dtype=torch.long)])
+    return torch.cat(pieces)
+
+
+def _sliced_given(batch: dict[str, Any], key: str, slices: list[ResponseSlice]) -> Tensor:
+    """A per-sample key the actor CP-sliced already: concatenated, lengths asserted."""
+    values = batch.get(key)
+    if values is None:
+        raise SlimeBatchError(
+            f"the batch has no {key!r}: for OPD every sample (aborted placeholders too) "
+            "must carry it; slime copies it only when the first sample has it"
+        )
+    for index, (value, s) in enumerate(zip(values, slices, strict=True)):
+        if len(value) != len(s.local_rows):
+            raise SlimeBatchError(
+                f"{key}[{index}] holds {len(value)} values where this rank holds "
+                f"{len(s.local_rows)} response tokens (invariant 2: lengths are asserted)"
+            )
+    device = values[0].device if isinstance(values[0], Tensor) else None
+    return torch.cat([torch.as_tensor(v, dtype=torch.float32, device=device) for v in values])
+
+
+def _shard(parallel: Parallel, args: Any) -> VocabShard:
+    if parallel.tp_size == 1:
+        return VocabShard(real_vocab_size=getattr(args, "opd_real_vocab_size", None))
+    padded = int(args.padded_vocab_size)
+    return VocabShard(
+        parallel.tp_group,
+        parallel.tp_rank * (padded // parallel.tp_size),
+        getattr(args, "opd_real_vocab_size", None),
+    )
+
+
+def _chunk_size(args: Any) -> int | None:
+    size = int(getattr(args, "log_probs_chunk_size", -1) or -1)
+    return size if size > 0 else None

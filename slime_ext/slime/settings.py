@@ -1,0 +1,84 @@
+"""What the hooks read from slime's `args`: our job config, and Megatron's parallel layout.
+
+slime gives a hook nothing but `args`; our settings reach it through `--custom-config-path`,
+whose YAML keys become attributes of `args` (slime/utils/arguments.py, slime_validate_args).
+The key `opd_job_config` names our job YAML (launch.config.JobConfig).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launch.config import JobConfig, load_config
+
+CONFIG_KEY = "opd_job_config"
+CONFIG_ENV = "OPD_JOB_CONFIG"
+
+
+class HookConfigError(ValueError):
+    """The hooks cannot find or accept the job config slime was started with."""
+
+
+def job_config(args: Any) -> JobConfig:
+    """The job config named by `args.opd_job_config` (or $OPD_JOB_CONFIG), checked
+    against slime's own arguments."""
+    path = getattr(args, CONFIG_KEY, None) or os.environ.get(CONFIG_ENV)
+    if not path:
+        raise HookConfigError(
+            f"no job config: pass --custom-config-path with a YAML holding `{CONFIG_KEY}: "
+            f"/path/to/job.yaml` (or set ${CONFIG_ENV}); `opd launch` writes both"
+        )
+    job = _load(str(Path(path).resolve()))
+    _check_against_slime(job, args)
+    return job
+
+
+@functools.cache
+def _load(path: str) -> JobConfig:
+    # slime calls the loss once per micro-batch: parse the YAML once per process
+    return load_config(path)
+
+
+def _check_against_slime(job: JobConfig, args: Any) -> None:
+    """Invariant 3: one temperature on both sides of the KL. slime divides the student's
+    logits by --rollout-temperature; the teacher server applies the temperature our
+    rollout sends, which is the job's. They must be the same number."""
+    slime_temperature = getattr(args, "rollout_temperature", None)
+    if slime_temperature is not None and float(slime_temperature) != job.rollout.temperature:
+        raise HookConfigError(
+            f"--rollout-temperature {slime_temperature} differs from the job's "
+            f"rollout.temperature {job.rollout.temperature}: the student's log-probs and "
+            "the teacher's would be taken at different temperatures; set them equal"
+        )
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This rank's place in Megatron's tensor- and context-parallel groups."""
+
+    tp_group: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+
+
+def megatron_parallel() -> Parallel:
+    """Read from megatron.core's parallel_state; one process when it is not initialized."""
+    try:
+        from megatron.core import parallel_state as mpu
+    except ImportError:
+        return Parallel()
+    if not mpu.model_parallel_is_initialized():
+        return Parallel()
+    return Parallel(
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        tp_size=mpu.get_tensor_model_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_size=mpu.get_context_parallel_world_size(),
+    )
