@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -23,7 +23,7 @@ from rollout.chat import ChatRenderer, TrajectoryBuilder
 from rollout.harness.base import Episode, Harness
 from rollout.masking import MaskStats
 from rollout.policy import Policy, PolicyError, SamplingParams
-from rollout.trajectory import Task, Trajectory, TrajectoryStatus, write_jsonl
+from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, write_jsonl
 from sandbox import SandboxError
 from teacher_server.api import ScoreItem
 from teacher_server.client import TeacherClient, TeacherError
@@ -226,28 +226,51 @@ class Runner:
         turn.timings.teacher_s += time.perf_counter() - started
 
 
+def trajectory_summary(trajectory: Trajectory) -> dict[str, Any]:
+    """What the step metrics need of one trajectory (JSON; travels in slime's metadata)."""
+    turns = trajectory.turns
+    return {
+        "trajectory_id": trajectory.trajectory_id,
+        "task_id": trajectory.task.task_id,
+        "status": trajectory.status.value,
+        "status_reason": trajectory.status_reason,
+        "reward": trajectory.reward,
+        "num_turns": len(turns),
+        "span_tokens": [len(turn.span_ids) for turn in turns],
+        "mask_tiers": [int(turn.mask_tier) for turn in turns],
+        "model_s": [turn.timings.model_s for turn in turns],
+        "sandbox_s": [turn.timings.sandbox_s for turn in turns],
+        "teacher_s": [turn.timings.teacher_s for turn in turns],
+        "wall_s": trajectory.wall_s,
+    }
+
+
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """rollout/ and perf/ metrics of one step (DESIGN.md names)."""
-    turns = [turn for trajectory in trajectories for turn in trajectory.turns]
-    count = max(len(turns), 1)
+    return summary_metrics([trajectory_summary(t) for t in trajectories])
+
+
+def summary_metrics(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """rollout/ and perf/ metrics over trajectory summaries (`trajectory_summary`)."""
+    count = max(sum(s["num_turns"] for s in summaries), 1)
+    trajectories = max(len(summaries), 1)
     stats = MaskStats()
-    for trajectory in trajectories:
-        stats.add(trajectory)
-    statuses = Counter(t.status.value for t in trajectories)
-    aborts = Counter(
-        t.status_reason for t in trajectories if t.status is not TrajectoryStatus.COMPLETED
-    )
-    rewards = [t.reward for t in trajectories if t.reward is not None]
-    metrics = {
-        "rollout/num_turns": sum(t.num_turns for t in trajectories) / max(len(trajectories), 1),
-        "rollout/tokens_per_turn": sum(len(turn.span_ids) for turn in turns) / count,
+    for summary in summaries:
+        for tier in summary["mask_tiers"]:
+            stats.turns[MaskTier(tier)] += 1
+    statuses = Counter(s["status"] for s in summaries)
+    completed = TrajectoryStatus.COMPLETED.value
+    aborts = Counter(s["status_reason"] for s in summaries if s["status"] != completed)
+    rewards = [s["reward"] for s in summaries if s["reward"] is not None]
+    return {
+        "rollout/num_turns": sum(s["num_turns"] for s in summaries) / trajectories,
+        "rollout/tokens_per_turn": sum(sum(s["span_tokens"]) for s in summaries) / count,
         "rollout/reward": sum(rewards) / max(len(rewards), 1),
-        "rollout/pass_rate": sum(r > 0 for r in rewards) / max(len(trajectories), 1),
-        "perf/model_time_per_turn": sum(turn.timings.model_s for turn in turns) / count,
-        "perf/sandbox_time_per_turn": sum(turn.timings.sandbox_s for turn in turns) / count,
-        "perf/teacher_time_per_turn": sum(turn.timings.teacher_s for turn in turns) / count,
+        "rollout/pass_rate": sum(r > 0 for r in rewards) / trajectories,
+        "perf/model_time_per_turn": sum(sum(s["model_s"]) for s in summaries) / count,
+        "perf/sandbox_time_per_turn": sum(sum(s["sandbox_s"]) for s in summaries) / count,
+        "perf/teacher_time_per_turn": sum(sum(s["teacher_s"]) for s in summaries) / count,
         **{f"rollout/{key}": value for key, value in stats.metrics().items()},
         **{f"rollout/status_{key}": float(value) for key, value in statuses.items()},
         **{f"rollout/abort_count/{key}": float(value) for key, value in aborts.items()},
     }
-    return metrics

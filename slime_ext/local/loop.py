@@ -29,10 +29,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from launch.config import JobConfig
+from launch.runtime import runner_config
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRConfig, TIRHarness
-from rollout.policy import HFPolicy, SamplingParams
-from rollout.runner import Runner, RunnerConfig, rollout_metrics
+from rollout.policy import HFPolicy
+from rollout.runner import Runner, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
@@ -208,22 +209,7 @@ class LocalRun:
         renderer = ChatRenderer(
             self.tokenizer, harness.tools, think_policy=job.rollout.think_policy
         )
-        sampling = SamplingParams(
-            max_new_tokens=job.rollout.max_new_tokens,
-            temperature=job.rollout.temperature,
-            top_p=job.rollout.top_p,
-            top_k=job.rollout.top_k,
-        )
-        config = RunnerConfig(
-            concurrency=job.rollout.concurrency,
-            max_turns=job.rollout.max_turns,
-            max_new_tokens=job.rollout.max_new_tokens,
-            max_context_tokens=job.rollout.max_context_tokens,
-            trajectory_timeout_s=job.rollout.trajectory_timeout_s,
-            sampling=sampling,
-            teacher_scoring="per_turn" if recipe == "opd" else "none",
-            teacher_top_k=job.teacher.top_k,
-        )
+        config = runner_config(job)
         (self.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []
         async with contextlib.AsyncExitStack() as stack:

@@ -23,22 +23,26 @@ class HookConfigError(ValueError):
     """The hooks cannot find or accept the job config slime was started with."""
 
 
-def job_config(args: Any) -> JobConfig:
-    """The job config named by `args.opd_job_config` (or $OPD_JOB_CONFIG), checked
-    against slime's own arguments."""
+def config_path(args: Any) -> str:
+    """The job config named by `args.opd_job_config` (or $OPD_JOB_CONFIG), absolute."""
     path = getattr(args, CONFIG_KEY, None) or os.environ.get(CONFIG_ENV)
     if not path:
         raise HookConfigError(
             f"no job config: pass --custom-config-path with a YAML holding `{CONFIG_KEY}: "
             f"/path/to/job.yaml` (or set ${CONFIG_ENV}); `opd launch` writes both"
         )
-    job = _load(str(Path(path).resolve()))
+    return str(Path(path).resolve())
+
+
+def job_config(args: Any) -> JobConfig:
+    """The job config slime was started with, checked against slime's own arguments."""
+    job = load_job(config_path(args))
     _check_against_slime(job, args)
     return job
 
 
 @functools.cache
-def _load(path: str) -> JobConfig:
+def load_job(path: str) -> JobConfig:
     # slime calls the loss once per micro-batch: parse the YAML once per process
     return load_config(path)
 

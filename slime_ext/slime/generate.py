@@ -1,0 +1,116 @@
+"""The generate hook: one multi-turn trajectory per slime Sample, against slime's SGLang
+router, with per-turn teacher scoring; returned as per-turn Samples.
+
+    --custom-generate-function-path slime_ext.slime.generate.generate
+
+slime awaits `generate(args, sample, sampling_params, evaluation=...)` once per rollout
+(slime/rollout/sglang_rollout.py, generate_and_rm). Sampling settings come from the job
+config, which must agree with slime's (--rollout-temperature is checked); slime's
+per-call `sampling_params` budget is the whole response's and is not used per turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from launch.config import JobConfig
+from launch.runtime import TEACHER_RECIPES, harness_for, runner_config
+from rollout.chat import ChatRenderer
+from rollout.policy import SGLangPolicy
+from rollout.runner import Runner
+from rollout.trajectory import Task
+from slime_ext.slime.samples import to_samples
+from slime_ext.slime.settings import HookConfigError, config_path, job_config, load_job
+from teacher_server.client import TeacherClient
+
+
+@dataclass
+class HookState:
+    """What the hook builds once per process and event loop: clients and the runner."""
+
+    job: JobConfig
+    runner: Runner
+
+
+async def generate(
+    args: Any, sample: Any, sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Any]:
+    job = job_config(args)
+    state = _state(
+        config_path(args),
+        f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
+        job.model.tokenizer or getattr(args, "hf_checkpoint", None),
+        id(asyncio.get_running_loop()),
+    )
+    task = task_from_sample(sample, job.rollout.harness)
+    # slime's index is unique per rollout: it names the trajectory (and teacher session)
+    trajectory = await state.runner.run_one(task, int(sample.index or 0))
+    recipe = job.algorithm.recipe
+    samples = to_samples(
+        trajectory,
+        sample,
+        loss_kind="imitation" if recipe in ("ssd", "sft") else "kl",
+        train_kl_on_invalid=job.algorithm.train_on_invalid_turns,
+        with_teacher=recipe in TEACHER_RECIPES and not evaluation,
+    )
+    if evaluation:  # slime's eval reads one reward per sample; keep the whole trajectory's
+        for s in samples:
+            s.remove_sample = False
+    return samples
+
+
+def task_from_sample(sample: Any, harness: str) -> Task:
+    """slime's data row -> our Task: `metadata["task"]` when the dataset stores one (our
+    task files do), else the prompt, label and metadata slime read."""
+    metadata = dict(sample.metadata or {})
+    if isinstance(metadata.get("task"), dict):
+        return Task.model_validate(metadata["task"])
+    prompt = sample.prompt
+    if isinstance(prompt, list):  # chat messages: the task is the last user turn
+        users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
+        if not users:
+            raise HookConfigError("the sample's prompt messages hold no user message")
+        prompt = users[-1]
+    task_id = metadata.get("task_id") or metadata.get("instance_id") or f"sample-{sample.index}"
+    return Task(
+        task_id=str(task_id),
+        kind=str(metadata.get("kind", "arithmetic" if harness == "tir" else "mini_swe")),
+        prompt=str(prompt),
+        answer=None if sample.label is None else str(sample.label),
+        metadata=metadata,
+    )
+
+
+@functools.cache
+def _state(path: str, router: str, checkpoint: str | None, loop_id: int) -> HookState:
+    # slime loads hooks by path and gives them no place to keep clients: one set per
+    # process and event loop (httpx clients belong to the loop that made them)
+    del loop_id
+    from transformers import AutoTokenizer
+
+    job = load_job(path)
+    if not checkpoint:
+        raise HookConfigError("no tokenizer: set model.tokenizer or slime's --hf-checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    harness = harness_for(job)
+    renderer = ChatRenderer(
+        tokenizer,
+        harness.tools,
+        think_policy=job.rollout.think_policy,
+        tool_call_format=job.rollout.tool_call_format,
+    )
+    policy = SGLangPolicy(router, max_concurrency=max(job.rollout.concurrency, 1))
+    teacher = None
+    if job.algorithm.recipe in TEACHER_RECIPES:
+        if not job.teacher.url:
+            raise HookConfigError(
+                f"recipe {job.algorithm.recipe!r} on slime needs teacher.url (the opd-teacher "
+                "service on the teacher node)"
+            )
+        api_key = os.environ.get(job.teacher.api_key_env) if job.teacher.api_key_env else None
+        teacher = TeacherClient(job.teacher.url, api_key, timeout_s=job.teacher.request_timeout_s)
+    return HookState(job, Runner(harness, policy, renderer, runner_config(job), teacher=teacher))

@@ -1,0 +1,75 @@
+"""Rollout metrics for W&B from the samples slime collected in one rollout step.
+
+    --custom-rollout-log-function-path slime_ext.slime.metrics.log_rollout
+
+slime calls `log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time)`
+with the flattened samples before training (slime/observability/rollout_metrics.py,
+log_rollout_data); a truthy return would skip its own logging. Ours adds the DESIGN.md
+rollout/ and perf/ metrics, computed once per trajectory (samples of one rollout_id share
+a summary), into `rollout_extra_metrics`, which slime's default logging then writes in
+the same W&B call; it returns False so that logging still runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.runner import summary_metrics
+from slime_ext.losses import masked_mean
+from slime_ext.slime.samples import METADATA_KEY, rollout_id_of
+
+
+def log_rollout(
+    rollout_id: int,
+    args: Any,
+    samples: list[Any],
+    rollout_extra_metrics: dict[str, Any] | None,
+    rollout_time: float,
+) -> bool:
+    metrics = sample_metrics(samples)
+    if rollout_extra_metrics is not None:
+        rollout_extra_metrics.update(metrics)
+        return False
+    # slime's rollout function returned no metrics dict to extend: log ours separately
+    from slime.observability import logging_utils, metric_utils
+
+    step = metric_utils.compute_rollout_step(args, rollout_id)
+    logging_utils.log(args, metrics | {"rollout/step": step}, step_key="rollout/step")
+    return False
+
+
+def sample_metrics(samples: list[Any]) -> dict[str, float]:
+    summaries: dict[int, dict[str, Any]] = {}
+    kl_by_rollout: dict[int, tuple[float, float, int]] = {}
+    for sample in samples:
+        summary = (sample.metadata or {}).get(METADATA_KEY)
+        if summary is None:
+            continue
+        rid = rollout_id_of(sample)
+        summaries.setdefault(rid, summary)
+        if sample.teacher_log_probs is None or sample.remove_sample:
+            continue
+        kl, above, tokens = _sampled_kl(sample)
+        old = kl_by_rollout.get(rid, (0.0, 0.0, 0))
+        kl_by_rollout[rid] = (old[0] + kl, old[1] + above, old[2] + tokens)
+    metrics = summary_metrics(list(summaries.values()))
+    metrics["rollout/drift_turns"] = float(sum(s.get("drift_turns", 0) for s in summaries.values()))
+    means = [(kl / n, above / n) for kl, above, n in kl_by_rollout.values() if n]
+    if means:
+        # per trajectory, then over trajectories (invariant 7), at the rollout's log-probs
+        metrics["rollout/opd_reverse_kl"] = sum(m[0] for m in means) / len(means)
+        metrics["rollout/student_gt_teacher_frac"] = sum(m[1] for m in means) / len(means)
+    return metrics
+
+
+def _sampled_kl(sample: Any) -> tuple[float, float, int]:
+    """Sums over the sample's loss tokens of k_t = s - t and of [s > t], and their count."""
+    import torch
+
+    mask = torch.tensor(sample.loss_mask or [1] * sample.response_length, dtype=torch.bool)
+    student = torch.as_tensor(sample.rollout_log_probs, dtype=torch.float64)
+    teacher = torch.as_tensor(sample.teacher_log_probs, dtype=torch.float64)
+    count = int(mask.sum())
+    k = masked_mean(student - teacher, mask) * count
+    above = masked_mean((student > teacher).double(), mask) * count
+    return float(k), float(above), count

@@ -1,0 +1,161 @@
+"""A Trajectory -> slime Samples: one per turn (think dropped), or one per trajectory
+(think kept), or a removable placeholder when the trajectory did not end normally.
+
+Samples are copies of the Sample slime handed to the generate hook (`dataclasses.replace`),
+so this module never imports slime and keeps whatever fields slime adds. Every sample of
+one trajectory carries the same rollout_id: slime keeps siblings in one training step and
+divides by their summed loss tokens (the per-trajectory normalization, invariant 7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rollout.masking import loss_mask_for
+from rollout.runner import trajectory_summary
+from rollout.trajectory import Trajectory, TrajectoryStatus
+from slime_ext.turns import LossKind
+
+METADATA_KEY = "opd"
+"""Sample.metadata[METADATA_KEY]: what our metrics read back (trajectory and turn)."""
+
+
+def to_samples(
+    trajectory: Trajectory,
+    base: Any,
+    loss_kind: LossKind,
+    train_kl_on_invalid: bool = True,
+    with_teacher: bool = True,
+) -> list[Any]:
+    """The samples slime trains on for one trajectory (`base` is slime's Sample)."""
+    if trajectory.status not in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED):
+        return [placeholder(trajectory, base, trajectory.status_reason, with_teacher)]
+    if not trajectory.turns:
+        return [placeholder(trajectory, base, "no turns", with_teacher)]
+    if with_teacher and any(turn.teacher_logprobs is None for turn in trajectory.turns):
+        return [placeholder(trajectory, base, "a turn has no teacher scores", with_teacher)]
+    if trajectory.think_policy == "keep":
+        whole = _one_sequence(trajectory, base, loss_kind, train_kl_on_invalid, with_teacher)
+        if whole is not None:
+            return [whole]
+    return [
+        _turn_sample(trajectory, k, base, loss_kind, train_kl_on_invalid, with_teacher)
+        for k in range(trajectory.num_turns)
+    ]
+
+
+def rollout_id_of(base: Any) -> int:
+    """slime's rollout_id, else the sample's global index (unique per rollout)."""
+    if base.rollout_id is not None:
+        return int(base.rollout_id)
+    if base.index is None:
+        raise ValueError("the sample has neither rollout_id nor index: siblings need an id")
+    return int(base.index)
+
+
+def placeholder(trajectory: Trajectory, base: Any, reason: str, with_teacher: bool) -> Any:
+    """One removable sample that records why the trajectory gave nothing to train on; its
+    log-probs are zero-filled (slime copies teacher_log_probs only if every sample has them)."""
+    tokens = list(trajectory.trunk_ids)
+    if len(tokens) < 2:
+        tokens = tokens * 2
+    return dataclasses.replace(
+        base,
+        rollout_id=rollout_id_of(base),
+        tokens=tokens,
+        response_length=1,
+        loss_mask=[0],
+        rollout_log_probs=[0.0],
+        teacher_log_probs=[0.0] if with_teacher else None,
+        reward=float(trajectory.reward or 0.0),
+        remove_sample=True,
+        status=type(base).Status.ABORTED,
+        metadata={
+            **base.metadata,
+            METADATA_KEY: _summary(trajectory) | {"abort_reason": reason, "placeholder": True},
+        },
+    )
+
+
+def _turn_sample(
+    trajectory: Trajectory,
+    k: int,
+    base: Any,
+    loss_kind: LossKind,
+    train_kl_on_invalid: bool,
+    with_teacher: bool,
+) -> Any:
+    turn = trajectory.turns[k]
+    span = len(turn.span_ids)
+    carries = loss_mask_for(turn.mask_tier, loss_kind, train_kl_on_invalid)
+    return dataclasses.replace(
+        base,
+        rollout_id=rollout_id_of(base),
+        tokens=trajectory.context_ids(k) + list(turn.span_ids),
+        response_length=span,
+        loss_mask=[int(carries)] * span,
+        rollout_log_probs=list(turn.logprobs) if turn.logprobs is not None else [0.0] * span,
+        teacher_log_probs=list(turn.teacher_logprobs or []) if with_teacher else None,
+        reward=float(trajectory.reward or 0.0),
+        status=_status(trajectory, base),
+        metadata={**base.metadata, METADATA_KEY: _summary(trajectory) | _turn_info(trajectory, k)},
+    )
+
+
+def _one_sequence(
+    trajectory: Trajectory,
+    base: Any,
+    loss_kind: LossKind,
+    train_kl_on_invalid: bool,
+    with_teacher: bool,
+) -> Any | None:
+    """Think kept: the last context holds every earlier span, so one sequence carries all
+    of them; observation and template tokens inside it get loss mask 0 and log-prob 0.
+    None when a later context does not hold a span exactly (drift): then per-turn samples."""
+    last = trajectory.num_turns - 1
+    tokens = trajectory.context_ids(last) + list(trajectory.turns[last].span_ids)
+    prompt = len(trajectory.context_ids(0))
+    response = len(tokens) - prompt
+    mask, logprobs, teacher = [0] * response, [0.0] * response, [0.0] * response
+    for k, turn in enumerate(trajectory.turns):
+        context = trajectory.context_ids(k)
+        start = len(context)
+        if turn.drift or tokens[:start] != context:
+            return None
+        if tokens[start : start + len(turn.span_ids)] != list(turn.span_ids):
+            return None
+        carries = int(loss_mask_for(turn.mask_tier, loss_kind, train_kl_on_invalid))
+        for i in range(len(turn.span_ids)):
+            mask[start - prompt + i] = carries
+            logprobs[start - prompt + i] = turn.logprobs[i] if turn.logprobs else 0.0
+            if turn.teacher_logprobs is not None:
+                teacher[start - prompt + i] = turn.teacher_logprobs[i]
+    return dataclasses.replace(
+        base,
+        rollout_id=rollout_id_of(base),
+        tokens=tokens,
+        response_length=response,
+        loss_mask=mask,
+        rollout_log_probs=logprobs,
+        teacher_log_probs=teacher if with_teacher else None,
+        reward=float(trajectory.reward or 0.0),
+        status=_status(trajectory, base),
+        metadata={**base.metadata, METADATA_KEY: _summary(trajectory) | {"turn": None}},
+    )
+
+
+def _status(trajectory: Trajectory, base: Any) -> Any:
+    statuses = type(base).Status
+    if trajectory.status is TrajectoryStatus.TRUNCATED:
+        return statuses.TRUNCATED
+    return statuses.COMPLETED
+
+
+def _summary(trajectory: Trajectory) -> dict[str, Any]:
+    return trajectory_summary(trajectory) | {"drift_turns": sum(t.drift for t in trajectory.turns)}
+
+
+def _turn_info(trajectory: Trajectory, k: int) -> dict[str, Any]:
+    turn = trajectory.turns[k]
+    return {"turn": k, "mask_tier": int(turn.mask_tier), "drift": turn.drift}

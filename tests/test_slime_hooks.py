@@ -1,0 +1,278 @@
+"""Contract tests of the slime hooks against slime's calling conventions.
+
+CI has no slime (it ships in its CUDA image): tests/slime_standin.py restates its call
+sites, pinned to a commit. `test_real_slime_*` run the hooks with the real slime when it
+is importable and skip otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rollout.chat import ChatRenderer
+from rollout.harness.tir import TIRHarness
+from rollout.runner import Runner, RunnerConfig
+from rollout.trajectory import MaskTier, Trajectory, TrajectoryStatus
+from slime_ext.local.factory import build_checkpoint, build_model
+from slime_ext.sft_data import read_records, turn_records, write_records
+from slime_ext.slime import metrics as hook_metrics
+from slime_ext.slime.generate import generate
+from slime_ext.slime.loss import loss as opd_loss
+from slime_ext.slime.reward import post_process_rewards, reward
+from slime_ext.slime.samples import METADATA_KEY, to_samples
+from slime_ext.slime.sft_rollout import SFTDataError, generate_rollout
+from teacher_server.app import create_app
+from teacher_server.hf_backend import HFBackend
+from teacher_server.metrics import ServerMetrics
+from tests import slime_standin as slime
+from tests.live_server import serve_in_thread
+from tests.sglang_standin import create_standin
+from tests.test_runner import REPLIES, TASKS, ScriptedPolicy
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _scripted(factory_tokenizer: Any, think_policy: str = "drop") -> list[Trajectory]:
+    harness = TIRHarness()
+    renderer = ChatRenderer(factory_tokenizer, harness.tools, think_policy=think_policy)  # type: ignore[arg-type]
+    runner = Runner(harness, ScriptedPolicy(renderer, REPLIES), renderer, RunnerConfig())
+    trajectories = asyncio.run(runner.run(TASKS))
+    for trajectory in trajectories:  # as if a teacher had scored every span
+        for turn in trajectory.turns:
+            turn.teacher_logprobs = [-1.0 - 0.01 * i for i in range(len(turn.span_ids))]
+    return trajectories
+
+
+def _base(index: int, group: int = 0) -> slime.Sample:
+    return slime.Sample(index=index, group_index=group, prompt="p", metadata={"source": "x"})
+
+
+def test_per_turn_samples_are_context_plus_span_with_tier_masks(factory_tokenizer: Any) -> None:
+    [mul, half, _] = _scripted(factory_tokenizer)
+    assert half.turns[0].mask_tier is MaskTier.INVALID_ACTION  # no tool call
+    for trajectory, index in ((mul, 4), (half, 5)):
+        kl = to_samples(trajectory, _base(index), "kl")
+        sft = to_samples(trajectory, _base(index), "imitation", with_teacher=False)
+        assert len(kl) == trajectory.num_turns
+        for k, (sample, turn) in enumerate(zip(kl, trajectory.turns, strict=True)):
+            assert sample.tokens == trajectory.context_ids(k) + turn.span_ids
+            assert sample.response_length == len(turn.span_ids)
+            assert sample.rollout_log_probs == turn.logprobs
+            assert sample.teacher_log_probs == turn.teacher_logprobs
+            assert sample.loss_mask == [1] * len(turn.span_ids)  # KL trains on tier 1
+            assert sample.rollout_id == index and sample.reward == trajectory.reward
+            assert sample.metadata["source"] == "x"  # slime's own metadata is kept
+            assert sample.metadata[METADATA_KEY]["turn"] == k
+            invalid = turn.mask_tier is not MaskTier.VALID
+            assert sft[k].loss_mask == [int(not invalid)] * len(turn.span_ids)
+            assert sft[k].teacher_log_probs is None
+    slime.validate_rollout_id_annotated([[to_samples(mul, _base(4), "kl")]])
+
+
+def test_keep_policy_gives_one_sequence_with_observations_masked(factory_tokenizer: Any) -> None:
+    trajectory = _scripted(factory_tokenizer, think_policy="keep")[0]
+    assert trajectory.think_policy == "keep" and trajectory.num_turns == 3
+    [sample] = to_samples(trajectory, _base(1), "kl")
+    prompt = len(trajectory.context_ids(0))
+    assert len(sample.tokens) - sample.response_length == prompt
+    on_span = [0] * sample.response_length
+    for k, turn in enumerate(trajectory.turns):
+        start = len(trajectory.context_ids(k))
+        assert sample.tokens[start : start + len(turn.span_ids)] == turn.span_ids
+        for i in range(len(turn.span_ids)):
+            on_span[start - prompt + i] = 1
+            assert sample.rollout_log_probs[start - prompt + i] == turn.logprobs[i]  # type: ignore[index]
+            assert sample.teacher_log_probs[start - prompt + i] == turn.teacher_logprobs[i]  # type: ignore[index]
+    assert sample.loss_mask == on_span  # observations and template tokens carry no loss
+    assert 0 < sum(on_span) < sample.response_length
+    for i, carries in enumerate(on_span):
+        if not carries:
+            assert sample.rollout_log_probs[i] == 0.0 == sample.teacher_log_probs[i]
+
+
+def test_aborted_trajectories_become_removable_placeholders(factory_tokenizer: Any) -> None:
+    [good, _, other] = _scripted(factory_tokenizer)
+    aborted = other.model_copy(
+        update={"status": TrajectoryStatus.SANDBOX_ERROR, "status_reason": "SandboxDiedError: x"}
+    )
+    [placeholder] = to_samples(aborted, _base(7), "kl")
+    assert placeholder.remove_sample and placeholder.status is slime.Sample.Status.ABORTED
+    assert placeholder.response_length == 1 and placeholder.loss_mask == [0]
+    assert placeholder.teacher_log_probs == [0.0] and placeholder.rollout_log_probs == [0.0]
+    assert placeholder.metadata[METADATA_KEY]["abort_reason"] == "SandboxDiedError: x"
+    assert placeholder.reward is not None  # slime computes no reward for aborted samples
+    # a placeholder first: slime still copies every sample's teacher log-probs
+    samples = [placeholder, *to_samples(good, _base(8), "kl")]
+    data = slime.convert_samples_to_train_data(slime.slime_args(), samples)
+    assert len(data["teacher_log_probs"]) == len(samples)
+    assert data["loss_masks"][0] == [0]
+    assert data["rollout_mask_sums"][1] == good.span_token_count()
+    unscored = good.model_copy(deep=True)
+    unscored.turns[1].teacher_logprobs = None
+    [refused] = to_samples(unscored, _base(9), "kl")
+    assert refused.remove_sample and "teacher" in refused.metadata[METADATA_KEY]["abort_reason"]
+
+
+def test_reward_hook_accepts_a_sample_or_a_list(factory_tokenizer: Any) -> None:
+    [mul, _, wrong] = _scripted(factory_tokenizer)
+    samples = to_samples(mul, _base(1), "kl") + to_samples(wrong, _base(2), "kl")
+    args = slime.slime_args()
+    assert asyncio.run(reward(args, samples[0])) == 1.0
+    expected = [1.0] * mul.num_turns + [0.0] * wrong.num_turns
+    assert asyncio.run(reward(args, samples)) == expected
+
+
+def test_reward_post_process_normalizes_one_reward_per_trajectory_in_its_group() -> None:
+    def segments(rollout_id: int, group: int, count: int, value: float, removed: bool = False):  # type: ignore[no-untyped-def]
+        return [
+            slime.Sample(
+                index=rollout_id,
+                group_index=group,
+                rollout_id=rollout_id,
+                reward=value,
+                remove_sample=removed,
+            )
+            for _ in range(count)
+        ]
+
+    samples = (
+        segments(10, 0, 3, 1.0)
+        + segments(11, 0, 1, 0.0)
+        + segments(20, 1, 2, 1.0)
+        + segments(21, 1, 2, 1.0)
+        + segments(22, 1, 1, 0.0, removed=True)
+    )
+    raw, normalized = post_process_rewards(slime.slime_args(), samples)
+    assert raw == [s.reward for s in samples]
+    spread = 0.5 / (2**0.5 / 2 + 1e-6)  # group 0: mean 0.5, unbiased std sqrt(1/2)
+    assert normalized[:4] == pytest.approx([spread] * 3 + [-spread])
+    assert normalized[4:] == pytest.approx([0.0] * 5)  # group 1: equal rewards, removed: 0
+    # slime's default would normalize the 9 segments as one batch, weighting by turns
+    args = slime.slime_args(grpo_std_normalization=False)
+    assert post_process_rewards(args, samples)[1][:4] == pytest.approx([0.5] * 3 + [-0.5])
+    assert post_process_rewards(slime.slime_args(rewards_normalization=False), samples)[1] == raw
+
+
+def test_rollout_metrics_count_each_trajectory_once(factory_tokenizer: Any) -> None:
+    [mul, half, wrong] = _scripted(factory_tokenizer)
+    aborted = wrong.model_copy(update={"status": TrajectoryStatus.ABORTED, "status_reason": "x"})
+    samples = (
+        to_samples(mul, _base(1), "kl")
+        + to_samples(half, _base(2), "kl")
+        + to_samples(aborted, _base(3), "kl")
+    )
+    extra: dict[str, Any] = {"rollout/existing": 1.0}
+    assert hook_metrics.log_rollout(0, slime.slime_args(), samples, extra, 1.0) is False
+    assert extra["rollout/existing"] == 1.0
+    assert extra["rollout/num_turns"] == pytest.approx((3 + 3 + 2) / 3)
+    assert extra["rollout/abort_count/x"] == 1.0
+    assert extra["rollout/masked_turn_frac_tier1"] == pytest.approx(1 / 8)
+    per_trajectory = []
+    for trajectory in (mul, half):  # the aborted one carries no training tokens
+        s = torch.tensor([p for t in trajectory.turns for p in t.logprobs or []])
+        t = torch.tensor([p for t in trajectory.turns for p in t.teacher_logprobs or []])
+        per_trajectory.append(float((s - t).mean()))
+    assert extra["rollout/opd_reverse_kl"] == pytest.approx(sum(per_trajectory) / 2)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_sft_rollout_feeds_records_unchanged_and_by_step(
+    factory_tokenizer: Any, tmp_path: Path, suffix: str
+) -> None:
+    trajectories = _scripted(factory_tokenizer)
+    records = [r for t in trajectories for r in turn_records(t)]
+    path = tmp_path / f"sft{suffix}"
+    assert write_records(path, records) == len(records)
+    assert read_records(path) == records
+    args = slime.slime_args(opd_sft_data=str(path), rollout_batch_size=2, seed=0)
+    seen = []
+    for step in range(3):  # 6 trajectory slots over 3 trajectories: two epochs
+        groups = generate_rollout(args, step, None, sample_class=slime.Sample)
+        assert generate_rollout(args, step, None, sample_class=slime.Sample) == groups
+        slime.validate_rollout_id_annotated(groups)
+        for [segments] in groups:
+            trajectory_id = segments[0].metadata[METADATA_KEY]["trajectory_id"]
+            seen.append(trajectory_id)
+            expected = [r for r in records if r.trajectory_id == trajectory_id]
+            assert [s.tokens for s in segments] == [r.tokens for r in expected]
+            assert [s.loss_mask for s in segments] == [r.loss_mask for r in expected]
+            assert len({s.rollout_id for s in segments}) == 1
+    assert sorted(seen[:3]) == sorted(seen[3:]) == sorted(t.trajectory_id for t in trajectories)
+    half = next(r for r in records if r.trajectory_id.startswith("half") and r.turn == 0)
+    assert half.loss_mask == [0] * half.response_length  # tier 1: no imitation
+    with pytest.raises(SFTDataError, match="evaluation"):
+        generate_rollout(args, 0, None, evaluation=True, sample_class=slime.Sample)
+
+
+def test_generate_hook_end_to_end_through_slimes_call_site(
+    factory_tokenizer: Any, factory_dir: Path, tmp_path: Path
+) -> None:
+    """slime's generate_and_rm -> our hook -> SGLang (stand-in) + teacher server (hf) ->
+    per-turn samples -> slime's train-data conversion -> our loss."""
+    student = build_model("qwen3-tiny", factory_tokenizer, seed=5).eval()
+    teacher_dir = build_checkpoint("qwen3-tiny", tmp_path / "teacher", seed=8)
+    metrics = ServerMetrics()
+    backend = HFBackend(teacher_dir, metrics, max_context=4096)
+    with (
+        serve_in_thread(create_standin(student, context_length=4096)) as router,
+        serve_in_thread(create_app(backend, metrics)) as teacher_url,
+    ):
+        host, port = router.removeprefix("http://").split(":")
+        job = tmp_path / "job.yaml"
+        job.write_text(
+            f"model:\n  tokenizer: {factory_dir}\n"
+            "rollout:\n  harness: tir\n  max_turns: 3\n  max_new_tokens: 12\n"
+            f"teacher:\n  kind: remote\n  url: {teacher_url}\n"
+        )
+        args = slime.slime_args(
+            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
+        )
+        base = slime.Sample(index=6, group_index=2, prompt="What is 2 + 3?", label="5")
+
+        async def rollout() -> Any:
+            return await slime.generate_and_rm(args, base, {"temperature": 1.0}, generate, reward)
+
+        samples = asyncio.run(rollout())
+    assert isinstance(samples, list) and len(samples) >= 2  # junk replies: nudged, retried
+    slime.validate_rollout_id_annotated([[samples]])
+    assert all(s.rollout_id == 6 and s.reward is not None for s in samples)
+    for sample in samples:
+        assert len(sample.rollout_log_probs) == sample.response_length
+        assert len(sample.teacher_log_probs) == sample.response_length
+        assert all(lp <= 0 for lp in sample.teacher_log_probs)
+    for earlier, later in itertools.pairwise(samples):  # contexts grow
+        prefix = earlier.tokens[: len(earlier.tokens) - earlier.response_length]
+        assert later.tokens[: len(prefix)] == prefix
+    assert metrics.tokens_scored_total == sum(s.response_length for s in samples)
+    assert metrics.cached_tokens_total > 0  # one session per trajectory: prefix reuse
+    data = slime.convert_samples_to_train_data(args, samples, post_process_rewards)
+    batch = slime.batch_for_rank(data, range(len(samples)), 0, 1)
+    logits = (
+        torch.cat([student(input_ids=torch.tensor([s.tokens])).logits[0] for s in samples])[None]
+        .detach()
+        .requires_grad_(True)
+    )
+    loss, log = slime.call_loss(args, batch, logits, opd_loss, 0, 1, 1, 1, 1)
+    loss.backward()
+    assert torch.isfinite(loss) and logits.grad is not None and logits.grad.abs().sum() > 0
+    assert float(log["loss_tokens"]) == sum(sum(m) for m in data["loss_masks"])
+
+
+def test_real_slime_sample_accepts_our_samples(factory_tokenizer: Any) -> None:
+    """Runs only where slime is installed (its image): our samples are real Samples."""
+    types = pytest.importorskip("slime.utils.types")
+    trajectory = _scripted(factory_tokenizer)[0]
+    base = types.Sample(index=3, group_index=0, prompt="p")
+    samples = to_samples(trajectory, base, "kl")
+    for sample in samples:
+        assert isinstance(sample, types.Sample)
+        sample._validate_response_metadata_lengths()
+        assert types.Sample.from_dict(sample.to_dict()).tokens == sample.tokens
+    assert "slime" in sys.modules
