@@ -276,3 +276,27 @@ def test_real_slime_sample_accepts_our_samples(factory_tokenizer: Any) -> None:
         sample._validate_response_metadata_lengths()
         assert types.Sample.from_dict(sample.to_dict()).tokens == sample.tokens
     assert "slime" in sys.modules
+
+
+def test_real_slime_cp_slicing_matches_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs only where slime is installed: our CP layout against slime's own slicing."""
+    cp_utils = pytest.importorskip("slime.backends.megatron_utils.cp_utils")
+    from slime_ext.slime.cp import response_slices
+
+    for cp_size in (2, 4):
+        for cp_rank in range(cp_size):
+            fake = type(
+                "FakeMpu",
+                (),
+                {
+                    "get_context_parallel_rank": staticmethod(lambda r=cp_rank: r),
+                    "get_context_parallel_world_size": staticmethod(lambda s=cp_size: s),
+                },
+            )
+            monkeypatch.setattr(cp_utils, "mpu", fake)
+            for total in range(3, 40, 3):
+                for response in range(1, total, 2):
+                    values = [float(i) for i in range(response)]
+                    expected = cp_utils.slice_log_prob_with_cp(values, total, response)
+                    [ours] = response_slices([total], [response], cp_rank, cp_size)
+                    assert [float(i) for i in ours.response_index] == list(expected)
