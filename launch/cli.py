@@ -48,7 +48,7 @@ def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
         f"[green]ok[/green] {path}: recipe {config.algorithm.recipe}, "
         f"harness {config.rollout.harness}, teacher {config.teacher.kind}, "
         f"{layout.world_size} worker(s) as TP{layout.tp} x CP{layout.cp} x PP{layout.pp} "
-        f"x DP{layout.dp}",
+        f"x DP{layout.data_parallel}",
         highlight=False,
     )
 
@@ -115,6 +115,46 @@ def train(path: ConfigPath, overrides: Overrides = None) -> None:
 
     config = _load_or_exit(path, overrides)
     run_local_job(config, console=console)
+
+
+@app.command("launch")
+def launch(
+    path: ConfigPath,
+    overrides: Overrides = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print every command; run nothing.")
+    ] = False,
+    sbatch: Annotated[
+        Path | None, typer.Option(help="Write a Slurm batch script here instead of running.")
+    ] = None,
+) -> None:
+    """Start a cluster job: the teacher service on its node, Ray on the training and
+    sandbox nodes, the HF -> Megatron conversion when needed, and `ray job submit` of
+    slime's train.py with our hooks. Nodes are reached per cluster.executor."""
+    from launch.checks import check_local_tokenizers
+    from launch.executor import Executor, LaunchError
+    from launch.plan import build_plan, hosts_from_config, render_dry_run, render_sbatch
+
+    config = _load_or_exit(path, overrides)
+    try:
+        if sbatch is not None:
+            sbatch.parent.mkdir(parents=True, exist_ok=True)
+            sbatch.write_text(render_sbatch(config, sbatch))
+            console.print(f"wrote {sbatch}; submit it with: sbatch {sbatch}", highlight=False)
+            return
+        steps = build_plan(config, hosts_from_config(config))
+        if dry_run:  # plain text: rich would wrap the long commands
+            typer.echo(render_dry_run(steps, f"{config.logging.run_dir}/logs"), nl=False)
+            return
+        check_local_tokenizers(config)
+        Executor(config, report=lambda line: console.print(line, highlight=False)).run(steps)
+    except ConfigError as err:
+        err_console.print(f"[red]cannot launch[/red] {err}", highlight=False)
+        raise typer.Exit(code=2) from None
+    except LaunchError as err:
+        err_console.print(f"[red]launch failed[/red] {err}", highlight=False, markup=False)
+        raise typer.Exit(code=1) from None
+    console.print("[green]submitted[/green]; follow it with `ray job logs` on the head node")
 
 
 demo_models_app = typer.Typer(help="The demo's bundled teacher and student.", no_args_is_help=True)

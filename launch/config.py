@@ -52,14 +52,26 @@ class ParallelConfig(Section):
     """Pipeline-parallel size."""
     max_tokens_per_gpu: int = Field(default=38_912, ge=1)
     """Token budget of one micro-batch on one GPU (slime's --max-tokens-per-gpu)."""
+    dp: int | None = Field(default=None, ge=1)
+    """Data-parallel size; derived from the others when omitted, checked when given."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel size (MoE students)."""
+    etp: int = Field(default=1, ge=1)
+    """Expert-tensor-parallel size (MoE students)."""
+    num_experts: int | None = Field(default=None, ge=1)
+    """Routed experts per MoE layer (MoE students; checked against ep)."""
+    colocate: bool = True
+    """SGLang rollout engines share the training GPUs (slime's --colocate)."""
+    rollout_gpus_per_engine: int | None = Field(default=None, ge=1)
+    """GPUs per SGLang rollout engine (slime's --rollout-num-gpus-per-engine); default tp."""
 
     @property
     def world_size(self) -> int:
         return self.num_nodes * max(self.gpus_per_node, 1)
 
     @property
-    def dp(self) -> int:
-        """Data-parallel size, derived: world / (tp * cp * pp)."""
+    def data_parallel(self) -> int:
+        """Data-parallel size: world / (tp * cp * pp)."""
         return self.world_size // (self.tp * self.cp * self.pp)
 
     @model_validator(mode="after")
@@ -75,6 +87,25 @@ class ParallelConfig(Section):
             raise ValueError(
                 f"tp * cp * pp = {self.tp} * {self.cp} * {self.pp} = {model_parallel} does "
                 f"not divide num_nodes * gpus_per_node = {self.world_size}"
+            )
+        if self.dp is not None and self.dp * model_parallel != self.world_size:
+            raise ValueError(
+                f"tp x cp x dp x pp = {self.tp} x {self.cp} x {self.dp} x {self.pp} = "
+                f"{self.dp * model_parallel} GPUs, but num_nodes x gpus_per_node = "
+                f"{self.num_nodes} x {self.gpus_per_node} = {self.world_size}: set dp to "
+                f"{self.world_size // model_parallel} or omit it"
+            )
+        experts = self.ep * self.etp
+        dense = self.world_size // self.pp
+        if experts > 1 and dense % experts != 0:
+            raise ValueError(
+                f"ep x etp = {self.ep} x {self.etp} = {experts} must divide tp x cp x dp = "
+                f"{dense} (the GPUs of one pipeline stage): change ep or etp"
+            )
+        if self.num_experts is not None and self.num_experts % self.ep != 0:
+            raise ValueError(
+                f"num_experts {self.num_experts} is not divisible by ep {self.ep}: each "
+                "expert-parallel rank must hold the same number of experts"
             )
         return self
 
@@ -137,6 +168,15 @@ class TeacherConfig(Section):
     """Teacher top-k log-probs per span token (0: the sampled token's log-prob only)."""
     request_timeout_s: float = Field(default=120.0, gt=0.0)
     """Deadline of one scoring request."""
+    node: str | None = None
+    """Cluster: the host `opd launch` starts the teacher service on (None: already running
+    at `url`, started by someone else)."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Cluster: the teacher service's port on `node`."""
+    tp: int = Field(default=1, ge=1)
+    """Cluster, sglang backend: SGLang's tensor-parallel size on the teacher node."""
+    serve_args: list[str] = Field(default_factory=list)
+    """Cluster: extra `opd-teacher serve` arguments (e.g. --max-queue 4096)."""
 
     @model_validator(mode="after")
     def _kind_has_its_fields(self) -> TeacherConfig:
@@ -174,10 +214,48 @@ class LoggingConfig(Section):
     """W&B mode; `online` needs WANDB_API_KEY."""
     wandb_project: str = "opd"
     wandb_group: str | None = None
+    wandb_entity: str | None = None
+    """W&B team or user (slime's --wandb-team; `opd dashboard` needs it)."""
     log_every_steps: int = Field(default=1, ge=1)
     save_every_steps: int = Field(default=10, ge=1)
     save_trajectories: bool = True
     """Write every trajectory of every step to run_dir/trajectories/ as JSONL."""
+
+
+class ClusterConfig(Section):
+    """Where a cluster job runs and how `opd launch` reaches its nodes."""
+
+    executor: Literal["ssh", "srun", "local"] = "ssh"
+    """How commands reach a node: ssh, srun (inside a Slurm allocation), or local (every
+    host is this machine)."""
+    head: str | None = None
+    """The first training node: Ray's head, where the job is submitted."""
+    workers: list[str] = Field(default_factory=list)
+    """The other training nodes (num_nodes - 1 of them)."""
+    sandbox_hosts: list[str] = Field(default_factory=list)
+    """CPU nodes that join the Ray cluster to run sandboxes."""
+    ssh_command: list[str] = Field(default_factory=lambda: ["ssh", "-o", "BatchMode=yes"])
+    """The ssh program and its options; the host and the command are appended."""
+    remote_shell: list[str] = Field(default_factory=lambda: ["bash", "-lc"])
+    """How a node runs a step's command (a login shell picks up modules and conda)."""
+    slime_dir: str = "/root/slime"
+    """slime's checkout on the nodes (slime's image: /root/slime)."""
+    megatron_dir: str = "/root/Megatron-LM"
+    model_args_script: str | None = None
+    """slime's scripts/models/<arch>.sh for the student (defines MODEL_ARGS)."""
+    megatron_checkpoint: str | None = None
+    """The student as a Megatron torch_dist checkpoint (--ref-load); converted from
+    model.student by `opd launch` when it does not exist yet."""
+    save_dir: str | None = None
+    """Where Megatron checkpoints of this run go (--load / --save); shared storage."""
+    tasks_file: str | None = None
+    """Training tasks as JSONL rows {prompt, label, metadata: {task: ...}} (--prompt-data)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of the Ray job (added to slime's usual ones)."""
+    extra_train_args: list[str] = Field(default_factory=list)
+    """More slime / Megatron arguments, appended as given."""
+    ray_port: int = Field(default=6379, ge=1, le=65535)
+    dashboard_port: int = Field(default=8265, ge=1, le=65535)
 
 
 class JobConfig(Section):
@@ -191,6 +269,7 @@ class JobConfig(Section):
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _sections_agree(self) -> JobConfig:
@@ -209,6 +288,16 @@ class JobConfig(Section):
             raise ValueError(
                 f"algorithm.opd_loss '{self.algorithm.opd_loss}' needs the teacher's top-k: "
                 "set teacher.top_k > 0"
+            )
+        layout = self.parallel
+        sequence = self.rollout.max_context_tokens + self.rollout.max_new_tokens
+        if layout.gpus_per_node > 0 and layout.max_tokens_per_gpu * layout.cp < sequence:
+            needed = -(-sequence // layout.cp)
+            raise ValueError(
+                f"parallel.max_tokens_per_gpu {layout.max_tokens_per_gpu} is below (context + "
+                f"generation) / cp = ({self.rollout.max_context_tokens} + "
+                f"{self.rollout.max_new_tokens}) / {layout.cp}: set it to at least {needed} "
+                "(or raise cp), or the longest turn cannot fit one micro-batch"
             )
         if self.rollout.max_new_tokens >= self.rollout.max_context_tokens:
             raise ValueError(

@@ -49,7 +49,7 @@ def test_examples_exist() -> None:
 
 def test_reference_cluster_layout_derives_dp4() -> None:
     config = load_config(next(p for p in EXAMPLES if p.name == "swe-opd-cluster.yaml"))
-    assert (config.parallel.world_size, config.parallel.dp) == (16, 4)
+    assert (config.parallel.world_size, config.parallel.data_parallel) == (16, 4)
     assert config.rollout.max_context_tokens == 65_536
 
 
@@ -100,11 +100,47 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         ({"teacher": {"kind": "self"}}, "recipe 'opd' needs a separate teacher"),
         ({"rollout": {"max_new_tokens": 4096, "max_context_tokens": 4096}}, "must be smaller than"),
         ({"algorithm": {"recipe": "ppo"}}, "algorithm.recipe"),
+        (
+            {"parallel": {"num_nodes": 4, "gpus_per_node": 4, "tp": 2, "cp": 2, "dp": 2}},
+            r"tp x cp x dp x pp = 2 x 2 x 2 x 1 = 8 GPUs, .* = 16: set dp to 4",
+        ),
+        (
+            {"parallel": {"num_nodes": 1, "gpus_per_node": 4, "ep": 3}},
+            r"ep x etp = 3 x 1 = 3 must divide tp x cp x dp = 4",
+        ),
+        (
+            {"parallel": {"gpus_per_node": 4, "ep": 4, "num_experts": 6}},
+            "num_experts 6 is not divisible by ep 4",
+        ),
+        (
+            {
+                "parallel": {
+                    "num_nodes": 4,
+                    "gpus_per_node": 4,
+                    "tp": 2,
+                    "cp": 2,
+                    "max_tokens_per_gpu": 38_911,
+                },
+                "rollout": {"max_context_tokens": 65_536, "max_new_tokens": 12_288},
+            },
+            r"\(65536 \+ 12288\) / 2: set it to at least 38912",
+        ),
     ],
 )
 def test_inconsistent_settings_are_explained(tmp_path: Path, data: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(_write(tmp_path, data))
+
+
+def test_reference_token_budget_is_exactly_enough(tmp_path: Path) -> None:
+    config = load_config(next(p for p in EXAMPLES if p.name == "swe-opd-cluster.yaml"))
+    assert config.parallel.max_tokens_per_gpu * config.parallel.cp == 65_536 + 12_288
+
+
+def test_moe_layout_validates(tmp_path: Path) -> None:
+    data = {"parallel": {"num_nodes": 2, "gpus_per_node": 8, "tp": 2, "ep": 8, "num_experts": 256}}
+    config = load_config(_write(tmp_path, data))
+    assert config.parallel.data_parallel == 8
 
 
 def test_self_teacher_recipes_validate(tmp_path: Path) -> None:
@@ -128,7 +164,7 @@ def test_overrides_parse_values_as_yaml(tmp_path: Path) -> None:
     assert config.rollout.max_turns == 9
     assert config.algorithm.lr == pytest.approx(3e-5)
     assert config.logging.wandb_mode == "disabled"
-    assert config.parallel.dp == 8
+    assert config.parallel.data_parallel == 8
 
 
 def test_overrides_do_not_mutate_input() -> None:

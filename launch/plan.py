@@ -1,0 +1,387 @@
+"""A cluster job as an ordered plan of shell commands, each bound to a host.
+
+`opd launch CONFIG --dry-run` prints the plan; `opd launch CONFIG` runs it through an
+executor (launch/executor.py); `--sbatch` renders it into a Slurm batch script where the
+hosts are the allocation's nodes. The commands follow slime's own launch scripts
+(scripts/run-qwen3-4B.sh: ray start, `ray job submit ... -- python3 train.py`) with our
+hooks (slime_ext/slime) in place of slime's rollout, reward and loss.
+
+Assumes the run directory (logging.run_dir) is on storage every node sees: the job
+config and the hooks' YAML are written there and read by the Ray job.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from launch.config import RECIPES_WITH_TEACHER, ConfigError, JobConfig, config_to_yaml
+
+HOOKS = "slime_ext.slime"
+SANDBOX_RESOURCE = "opd_sandbox_host"
+"""The Ray resource a sandbox host offers (sandbox actors ask for a fraction of it)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    host: str
+    """A host name, or a shell variable ($HEAD) inside a Slurm batch script."""
+    command: str
+    kind: Literal["run", "background", "wait_http", "write", "check_tokenizer"] = "run"
+    """run: must exit 0; background: started and left running (its log in run_dir/logs);
+    wait_http: poll `command` (a URL) from here until it answers 200; write: a local file
+    at `command` holding `content`; check_tokenizer: compare the service's tokenizer (its
+    /v1/info at `command`) with the student's, when the student's is readable here."""
+    content: str = ""
+    """The file's text for `write` steps."""
+
+
+@dataclass(frozen=True)
+class Hosts:
+    head: str
+    workers: list[str] = field(default_factory=list)
+    teacher: str | None = None
+    sandbox: list[str] = field(default_factory=list)
+
+
+def hosts_from_config(job: JobConfig) -> Hosts:
+    cluster = job.cluster
+    if cluster.executor == "local":
+        nodes = ["localhost"] * job.parallel.num_nodes
+        return Hosts(nodes[0], nodes[1:], "localhost" if job.teacher.node else None, [])
+    missing = []
+    if cluster.head is None:
+        missing.append("cluster.head (the first training node)")
+    if len(cluster.workers) != job.parallel.num_nodes - 1:
+        missing.append(
+            f"cluster.workers: {job.parallel.num_nodes - 1} more training node(s) for "
+            f"num_nodes {job.parallel.num_nodes}, got {len(cluster.workers)}"
+        )
+    if missing:
+        raise ConfigError("cannot place the job: " + "; ".join(missing))
+    assert cluster.head is not None
+    return Hosts(cluster.head, list(cluster.workers), job.teacher.node, list(cluster.sandbox_hosts))
+
+
+def check_cluster(job: JobConfig) -> None:
+    """What a cluster launch needs beyond a valid config, each with its fix."""
+    problems = []
+    if job.parallel.gpus_per_node == 0:
+        problems.append("parallel.gpus_per_node is 0: a cluster job trains on GPUs")
+    if job.cluster.model_args_script is None:
+        problems.append(
+            "cluster.model_args_script: name slime's scripts/models/<arch>.sh for the "
+            "student (it defines the Megatron model arguments)"
+        )
+    if job.cluster.megatron_checkpoint is None:
+        problems.append("cluster.megatron_checkpoint: where the torch_dist student lives")
+    if job.cluster.save_dir is None:
+        problems.append("cluster.save_dir: where this run's Megatron checkpoints go")
+    recipe = job.algorithm.recipe
+    if recipe not in ("sft", "ssd") and job.cluster.tasks_file is None:
+        problems.append("cluster.tasks_file: the training tasks (JSONL) for slime's --prompt-data")
+    if recipe in RECIPES_WITH_TEACHER and job.teacher.kind != "self":
+        if job.teacher.kind != "remote" or not job.teacher.url:
+            problems.append(
+                "teacher: a cluster job scores with a standalone service: kind remote and url"
+            )
+        if job.teacher.node is not None and job.teacher.model is None:
+            problems.append("teacher.model: the checkpoint `opd launch` serves on teacher.node")
+        if job.algorithm.opd_loss != "sampled":
+            problems.append(
+                "algorithm.opd_loss: slime's batch carries no per-token top-k; use sampled"
+            )
+    if problems:
+        raise ConfigError("not launchable on a cluster:\n  " + "\n  ".join(problems))
+
+
+def build_plan(
+    job: JobConfig, hosts: Hosts, run_dir: str | None = None, wait_for_job: bool = False
+) -> list[Step]:
+    """The steps in order. wait_for_job: `ray job submit` blocks until the job ends (inside
+    a Slurm allocation, whose lifetime is the job's); otherwise it returns once submitted."""
+    check_cluster(job)
+    if hosts.teacher is not None:  # the service we start is the one the hooks call
+        teacher = job.teacher.model_copy(
+            update={"url": f"http://{hosts.teacher}:{job.teacher.port}"}
+        )
+        job = job.model_copy(update={"teacher": teacher})
+    cluster, layout = job.cluster, job.parallel
+    run = run_dir or str(job.logging.run_dir)
+    job_yaml, hooks_yaml = f"{run}/job.yaml", f"{run}/hooks.yaml"
+    hooks: dict[str, object] = {"opd_job_config": job_yaml}
+    if job.algorithm.recipe in ("sft", "ssd"):
+        hooks["opd_sft_data"] = cluster.tasks_file
+    steps = [
+        Step("write job config", "local", job_yaml, "write", config_to_yaml(job)),
+        Step("write hook config", "local", hooks_yaml, "write", yaml.safe_dump(hooks)),
+    ]
+    steps += _teacher_steps(job, hosts, run)
+    gpus = layout.gpus_per_node
+    steps.append(
+        Step(
+            "ray head",
+            hosts.head,
+            f"ray start --head --node-ip-address {hosts.head} --port {cluster.ray_port} "
+            f"--num-gpus {gpus} --disable-usage-stats --dashboard-host 0.0.0.0 "
+            f"--dashboard-port {cluster.dashboard_port}",
+        )
+    )
+    for index, worker in enumerate(hosts.workers, start=1):
+        steps.append(
+            Step(
+                f"ray worker {index}",
+                worker,
+                f"ray start --address {hosts.head}:{cluster.ray_port} --num-gpus {gpus} "
+                "--disable-usage-stats",
+            )
+        )
+    for index, host in enumerate(hosts.sandbox):
+        resources = shlex.quote(json.dumps({SANDBOX_RESOURCE: 1}))
+        steps.append(
+            Step(
+                f"sandbox host {index}",
+                host,
+                f"ray start --address {hosts.head}:{cluster.ray_port} --num-gpus 0 "
+                f"--resources {resources} --disable-usage-stats",
+            )
+        )
+    steps.append(_convert_step(job, hosts))
+    steps.append(Step("submit", hosts.head, _submit_command(job, hooks_yaml, run, wait_for_job)))
+    return steps
+
+
+def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
+    teacher = job.teacher
+    if job.algorithm.recipe not in RECIPES_WITH_TEACHER or teacher.kind == "self":
+        return []
+    assert teacher.url is not None
+    steps = []
+    if hosts.teacher is not None:
+        assert teacher.model is not None
+        serve = [
+            "opd-teacher", "serve", "--backend", teacher.backend, "--model", teacher.model,
+            "--host", "0.0.0.0", "--port", str(teacher.port),
+        ]  # fmt: skip
+        if teacher.backend == "sglang":
+            steps.append(
+                Step(
+                    "teacher sglang",
+                    hosts.teacher,
+                    f"python3 -m sglang.launch_server --model-path {shlex.quote(teacher.model)} "
+                    f"--tp-size {teacher.tp} --host 127.0.0.1 --port 30000",
+                    "background",
+                )
+            )
+            steps.append(
+                Step("wait teacher sglang", hosts.teacher, _wait("http://127.0.0.1:30000/health"))
+            )
+            serve += ["--sglang-url", "http://127.0.0.1:30000"]
+        else:
+            serve += ["--device", "cuda", "--dtype", "bfloat16"]
+        serve += teacher.serve_args
+        env = ""
+        if teacher.api_key_env:
+            env = f"env OPD_TEACHER_API_KEY=${{{teacher.api_key_env}}} "
+        steps.append(Step("teacher service", hosts.teacher, env + shlex.join(serve), "background"))
+    url = f"http://{hosts.teacher}:{teacher.port}" if hosts.teacher else teacher.url
+    steps.append(Step("wait teacher", "local", f"{url.rstrip('/')}/health", "wait_http"))
+    steps.append(
+        Step("check teacher tokenizer", "local", f"{url.rstrip('/')}/v1/info", "check_tokenizer")
+    )
+    return steps
+
+
+def _wait(url: str, timeout_s: int = 1800) -> str:
+    """A command that returns once `url` answers (SGLang loads a large model for minutes)."""
+    loop = f"until curl -sf {url} >/dev/null; do sleep 5; done"
+    return f"timeout {timeout_s} bash -c {shlex.quote(loop)}"
+
+
+def _convert_step(job: JobConfig, hosts: Hosts) -> Step:
+    """HF -> Megatron torch_dist, skipped when the checkpoint is there already."""
+    cluster = job.cluster
+    target = shlex.quote(str(cluster.megatron_checkpoint))
+    convert = (
+        f"{_in_slime(job)} && PYTHONPATH={shlex.quote(cluster.megatron_dir)} torchrun "
+        f"--nproc-per-node {job.parallel.gpus_per_node} tools/convert_hf_to_torch_dist.py "
+        '"${MODEL_ARGS[@]}" '
+        f"--hf-checkpoint {shlex.quote(job.model.student)} --save {target}"
+    )
+    return Step(
+        "convert checkpoint",
+        hosts.head,
+        f"test -f {target}/latest_checkpointed_iteration.txt || ({convert})",
+    )
+
+
+def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
+    """slime's train.py arguments after "${MODEL_ARGS[@]}"."""
+    layout, rollout, algorithm, cluster = job.parallel, job.rollout, job.algorithm, job.cluster
+    args = [
+        "--actor-num-nodes", str(layout.num_nodes),
+        "--actor-num-gpus-per-node", str(layout.gpus_per_node),
+        "--rollout-num-gpus-per-engine", str(layout.rollout_gpus_per_engine or layout.tp),
+    ]  # fmt: skip
+    if layout.colocate:
+        args.append("--colocate")
+    args += [
+        "--hf-checkpoint", job.model.student,
+        "--ref-load", str(cluster.megatron_checkpoint),
+        "--load", str(cluster.save_dir),
+        "--save", str(cluster.save_dir),
+        "--save-interval", str(job.logging.save_every_steps),
+        "--tensor-model-parallel-size", str(layout.tp),
+        "--context-parallel-size", str(layout.cp),
+        "--pipeline-model-parallel-size", str(layout.pp),
+        "--expert-model-parallel-size", str(layout.ep),
+        "--expert-tensor-parallel-size", str(layout.etp),
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu", str(layout.max_tokens_per_gpu),
+    ]  # fmt: skip
+    if layout.tp > 1:
+        args.append("--sequence-parallel")
+    args += [
+        "--num-rollout", str(algorithm.steps),
+        "--rollout-batch-size", str(rollout.tasks_per_step),
+        "--n-samples-per-prompt", str(rollout.samples_per_task),
+        "--global-batch-size", str(rollout.tasks_per_step * rollout.samples_per_task),
+        "--rollout-max-response-len", str(rollout.max_new_tokens),
+        "--rollout-temperature", str(rollout.temperature),
+        "--rollout-top-p", str(rollout.top_p),
+        "--rollout-top-k", str(rollout.top_k),
+        "--custom-config-path", hooks_yaml,
+        "--loss-type", "custom_loss",
+        "--custom-loss-function-path", f"{HOOKS}.loss.loss",
+        "--custom-rollout-log-function-path", f"{HOOKS}.metrics.log_rollout",
+        "--optimizer", "adam",
+        "--lr", str(algorithm.lr),
+        "--lr-decay-style", "constant",
+        "--weight-decay", str(algorithm.weight_decay),
+        "--clip-grad", str(algorithm.grad_clip),
+        "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--attention-softmax-in-fp32",
+    ]  # fmt: skip
+    if algorithm.recipe in ("sft", "ssd"):
+        args += [
+            "--rollout-function-path", f"{HOOKS}.sft_rollout.generate_rollout",
+            "--disable-compute-advantages-and-returns",
+        ]  # fmt: skip
+    else:
+        args += [
+            "--prompt-data", str(cluster.tasks_file),
+            "--input-key", "prompt",
+            "--label-key", "label",
+            "--metadata-key", "metadata",
+            "--rollout-shuffle",
+            "--custom-generate-function-path", f"{HOOKS}.generate.generate",
+            "--custom-rm-path", f"{HOOKS}.reward.reward",
+            "--custom-reward-post-process-path", f"{HOOKS}.reward.post_process_rewards",
+            "--advantage-estimator", "grpo",
+        ]  # fmt: skip
+    if job.logging.wandb_mode != "disabled":
+        args += ["--use-wandb", "--wandb-project", job.logging.wandb_project]
+        if job.logging.wandb_group:
+            args += ["--wandb-group", job.logging.wandb_group]
+        if job.logging.wandb_entity:
+            args += ["--wandb-team", job.logging.wandb_entity]
+    return args + list(cluster.extra_train_args)
+
+
+def _submit_command(job: JobConfig, hooks_yaml: str, run: str, wait: bool) -> str:
+    cluster = job.cluster
+    env = {
+        "PYTHONPATH": cluster.megatron_dir,
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "OPD_JOB_CONFIG": f"{run}/job.yaml",
+        **cluster.env,
+    }
+    if job.logging.wandb_mode == "offline":
+        env["WANDB_MODE"] = "offline"
+    runtime_env = shlex.quote(json.dumps({"env_vars": env}, sort_keys=True))
+    return (
+        f"{_in_slime(job)} && ray job submit --address http://127.0.0.1:{cluster.dashboard_port} "
+        + ("" if wait else "--no-wait ")
+        + f'--runtime-env-json {runtime_env} -- python3 train.py "${{MODEL_ARGS[@]}}" '
+        + shlex.join(train_args(job, hooks_yaml))
+    )
+
+
+def _in_slime(job: JobConfig) -> str:
+    """cd into slime and define MODEL_ARGS, as slime's own run scripts do."""
+    script = shlex.quote(str(job.cluster.model_args_script))
+    return f"cd {shlex.quote(job.cluster.slime_dir)} && source {script}"
+
+
+def render_dry_run(steps: list[Step], log_dir: str) -> str:
+    """Every step as it would run: `# name @ host` then the command."""
+    lines = []
+    for number, step in enumerate(steps, start=1):
+        lines.append(f"# {number}. {step.name} @ {step.host} ({step.kind})")
+        if step.kind == "write":
+            lines.append(f"cat > {step.command} <<'EOF'\n{step.content.rstrip()}\nEOF")
+        elif step.kind == "wait_http":
+            lines.append(_wait(step.command))
+        elif step.kind == "check_tokenizer":
+            lines.append(f"# compare the tokenizer in `curl -s {step.command}` with the student's")
+        elif step.kind == "background":
+            lines.append(f"nohup {step.command} > {log_dir}/{slug(step.name)}.log 2>&1 &")
+        else:
+            lines.append(step.command)
+    return "\n".join(lines) + "\n"
+
+
+def render_sbatch(job: JobConfig, path: Path) -> str:
+    """A Slurm batch script: the allocation's first num_nodes nodes train, the next one
+    (when teacher.node is set) serves the teacher, the rest host sandboxes."""
+    layout, teacher_node = job.parallel, job.teacher.node is not None
+    nodes = layout.num_nodes + int(teacher_node) + len(job.cluster.sandbox_hosts)
+    # exported: srun passes the environment, so a node's own shell sees the names too
+    workers = [f"$NODE_{i}" for i in range(1, layout.num_nodes)]
+    teacher = f"$NODE_{layout.num_nodes}" if teacher_node else None
+    first_sandbox = layout.num_nodes + int(teacher_node)
+    sandbox = [f"$NODE_{first_sandbox + i}" for i in range(len(job.cluster.sandbox_hosts))]
+    run = str(job.logging.run_dir)
+    steps = build_plan(job, Hosts("$NODE_0", workers, teacher, sandbox), run, wait_for_job=True)
+    lines = [
+        "#!/usr/bin/env bash",
+        f"#SBATCH --job-name={slug(job.logging.wandb_project)}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={layout.gpus_per_node}",
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={run}/logs/slurm-%j.out",
+        "# Written by `opd launch --sbatch`; submit with: sbatch " + str(path),
+        "set -euo pipefail",
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        *[f"export NODE_{i}=${{NODES[{i}]}}" for i in range(nodes)],
+        f"mkdir -p {shlex.quote(run)}/logs",
+        'on() { local host=$1; shift; srun --nodes=1 --ntasks=1 -w "$host" bash -lc "$*"; }',
+    ]
+    for step in steps:
+        lines.append(f"# {step.name}")
+        if step.kind == "write":  # unquoted: the teacher's ${NODES[i]} expands
+            lines.append(f"cat > {step.command} <<EOF\n{step.content.rstrip()}\nEOF")
+        elif step.kind == "wait_http":
+            lines.append(_wait(step.command))
+        elif step.kind == "check_tokenizer":
+            lines.append(f"# `opd launch` compares {step.command}'s tokenizer with the student's")
+        elif step.kind == "background":
+            log = f"{run}/logs/{slug(step.name)}.log"
+            lines.append(f'on "{step.host}" {shlex.quote(step.command + " > " + log + " 2>&1")} &')
+        else:
+            lines.append(f'on "{step.host}" {shlex.quote(step.command)}')
+    # `ray job submit` returned: the job ended; leaving ends the allocation's other steps
+    return "\n".join(lines) + "\n"
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
