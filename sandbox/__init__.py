@@ -1,7 +1,8 @@
-"""Where actions run: the sandbox protocol and its local backends.
+"""Where actions run: the sandbox protocol and its backends.
 
 `LocalSandbox` runs shell commands under its own uid (bubblewrap when available);
-`PythonWorker` keeps one python interpreter per trajectory for tool-integrated reasoning.
+`PythonWorker` keeps one python interpreter per trajectory for tool-integrated reasoning;
+`DockerSandbox` runs them in a hardened container (`sandbox.docker.reap` removes leftovers).
 """
 
 from sandbox.base import (
@@ -15,10 +16,13 @@ from sandbox.base import (
     SandboxStartError,
     SandboxUnavailableError,
 )
+from sandbox.docker import DockerSandbox, DockerSandboxConfig
 from sandbox.local import LocalSandbox, LocalSandboxConfig
 from sandbox.python_worker import PythonWorker, PythonWorkerConfig, WorkerExecResult
 
 __all__ = [
+    "DockerSandbox",
+    "DockerSandboxConfig",
     "ExecResult",
     "LocalSandbox",
     "LocalSandboxConfig",
