@@ -9,6 +9,13 @@ import typer
 from rich.console import Console
 
 from launch.config import ConfigError, JobConfig, config_to_yaml, load_config
+from launch.dashboard import (
+    DEFAULT_NAME,
+    DEFAULT_X_AXIS,
+    DashboardKind,
+    MissingWandbKey,
+    dashboard,
+)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -155,6 +162,28 @@ def launch(
         err_console.print(f"[red]launch failed[/red] {err}", highlight=False, markup=False)
         raise typer.Exit(code=1) from None
     console.print("[green]submitted[/green]; follow it with `ray job logs` on the head node")
+
+
+@app.command("dashboard")
+def dashboard_command(
+    entity: Annotated[str, typer.Option(help="W&B entity (user or team).")],
+    project: Annotated[str, typer.Option(help="W&B project holding the runs.")],
+    kind: Annotated[DashboardKind, typer.Option(help="What to build.")] = "both",
+    name: Annotated[str, typer.Option(help="Workspace name and report title.")] = DEFAULT_NAME,
+    x_axis: Annotated[str, typer.Option(help="The panels' x metric.")] = DEFAULT_X_AXIS,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Build offline and save nothing.")
+    ] = False,
+    out: Annotated[Path | None, typer.Option(help="Write the serialized JSON here.")] = None,
+) -> None:
+    """Build the OPD W&B workspace and/or report (training dynamics, rollout health,
+    cost); save it to W&B unless --dry-run (saving needs WANDB_API_KEY)."""
+    try:
+        text = dashboard(entity, project, kind, name, dry_run, out, x_axis)
+    except MissingWandbKey as err:
+        err_console.print(f"[red]{err}[/red]", highlight=False)
+        raise typer.Exit(code=2) from None
+    console.print(text, highlight=False)
 
 
 demo_models_app = typer.Typer(help="The demo's bundled teacher and student.", no_args_is_help=True)
