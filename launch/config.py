@@ -205,6 +205,10 @@ class AlgorithmConfig(Section):
     KL against the teacher's top-k (teacher.top_k > 0) with a tail bucket or renormalized."""
     train_on_invalid_turns: bool = True
     """Whether KL-to-teacher losses train on tier-1/2 invalid turns (imitation losses never do)."""
+    sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"
+    """How the local trainer lays out a trajectory: packed (one sequence, every token once;
+    exact for full-attention models), per_turn (a sequence per turn, context recomputed),
+    or auto (packed where exact). The slime path is per turn (see README)."""
 
 
 class LoggingConfig(Section):

@@ -1,11 +1,21 @@
-"""Trajectories -> per-turn training samples: one sequence per turn (its context, then its
-span), with the loss only on the span (DESIGN.md: per-turn spans).
+"""Trajectories -> training batches, with the loss only on each turn's span (DESIGN.md:
+per-turn spans). Two layouts of the same computation:
 
-Rows of the batch are right-padded; `span_rows` index the flattened [B * L] positions
-whose outputs predict the span tokens, so a trainer computes the LM head only there.
-Masks follow invariant 4: imitation losses drop tier-1/2 turns, KL losses keep them
-unless configured off. Every token carries its trajectory's index for the per-trajectory
-normalization of invariant 7.
+- per turn (`per_turn_batch`): one sequence per turn, its context then its span; about
+  K x L tokens per trajectory, every context recomputed;
+- tree-packed (`packed_batch`): one sequence per trajectory, every token once. The trunk
+  is the stored context ids; turn k's span is a branch placed at the positions right
+  after context_k, seeing only context_k (the trunk's first context_len_k tokens, then the
+  turn's drifted suffix when it has one) and its own earlier tokens. A span that the
+  trunk already holds at those positions (think kept) is read from the trunk itself.
+  The rule is a [L, L] boolean attention mask with explicit position ids, which only
+  full-attention models can take: hybrid (linear-attention) models are refused.
+
+Rows of a batch are right-padded; `span_rows` index the flattened [B * L] positions whose
+outputs predict the span tokens (the same tokens in the same order in both layouts), so a
+trainer computes the LM head only there. Masks follow invariant 4: imitation losses drop
+tier-1/2 turns, KL losses keep them unless configured off. Every token carries its
+trajectory's index for the per-trajectory normalization of invariant 7.
 """
 
 from __future__ import annotations
@@ -21,6 +31,12 @@ from rollout.masking import loss_mask_for
 from rollout.trajectory import Trajectory
 
 LossKind = Literal["imitation", "kl"]
+Layout = Literal["per_turn", "packed"]
+
+
+class PackingUnsupported(ValueError):
+    """The model cannot evaluate a tree-packed sequence exactly (it has no attention mask
+    to express branches, e.g. linear-attention layers)."""
 
 
 @dataclass
@@ -28,7 +44,8 @@ class TurnBatch:
     input_ids: Tensor
     """[B, L] token ids, right-padded."""
     attention_mask: Tensor
-    """[B, L] 1 on real tokens."""
+    """[B, L] 1 on real tokens (per turn), or [B, 1, L, L] bool: which positions each
+    position attends to (packed)."""
     span_rows: Tensor
     """[T] indices into the flattened [B * L] positions: the outputs that predict span tokens."""
     targets: Tensor
@@ -46,25 +63,30 @@ class TurnBatch:
     teacher_topk_logprobs: Tensor | None
     """[T, k] their log-probs."""
     num_trajectories: int
+    num_processed_tokens: int
+    """Tokens the forward pass runs over (padding excluded): the layout's cost."""
+    position_ids: Tensor | None = None
+    """[B, L] explicit positions (packed: a branch continues its context's positions)."""
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    @property
-    def num_processed_tokens(self) -> int:
-        """Tokens the forward pass runs over (padding excluded): the per-turn cost."""
-        return int(self.attention_mask.sum())
+
+@dataclass
+class _Spans:
+    """Every span token of a list of trajectories, in turn order, with its annotations."""
+
+    targets: list[int]
+    mask: list[bool]
+    owners: list[int]
+    sampler: list[float] | None
+    teacher: list[float] | None
+    topk_ids: list[list[int]] | None
+    topk_logprobs: list[list[float]] | None
 
 
-def per_turn_batch(
-    trajectories: Sequence[Trajectory],
-    loss: LossKind,
-    train_kl_on_invalid: bool = True,
-    pad_id: int = 0,
-) -> TurnBatch:
-    sequences: list[list[int]] = []
-    span_starts: list[int] = []
+def _spans(trajectories: Sequence[Trajectory], loss: LossKind, train_kl_on_invalid: bool) -> _Spans:
     targets: list[int] = []
     mask: list[bool] = []
     owners: list[int] = []
@@ -74,10 +96,7 @@ def per_turn_batch(
     topk_logprobs: list[list[float]] = []
     has_sampler = has_teacher = has_topk = True
     for index, trajectory in enumerate(trajectories):
-        for k, turn in enumerate(trajectory.turns):
-            context = trajectory.context_ids(k)
-            sequences.append(context + turn.span_ids)
-            span_starts.append(len(context))
+        for turn in trajectory.turns:
             targets += turn.span_ids
             carries = loss_mask_for(turn.mask_tier, loss, train_kl_on_invalid)
             mask += [carries] * len(turn.span_ids)
@@ -89,6 +108,60 @@ def per_turn_batch(
             teacher += turn.teacher_logprobs or []
             topk_ids += turn.teacher_topk_ids or []
             topk_logprobs += turn.teacher_topk_logprobs or []
+    some = bool(targets)
+    return _Spans(
+        targets,
+        mask,
+        owners,
+        sampler if has_sampler and some else None,
+        teacher if has_teacher and some else None,
+        topk_ids if has_topk and some else None,
+        topk_logprobs if has_topk and some else None,
+    )
+
+
+def _batch(
+    spans: _Spans,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    rows: list[int],
+    num_trajectories: int,
+    processed: int,
+    position_ids: Tensor | None = None,
+) -> TurnBatch:
+    optional = torch.tensor
+    return TurnBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        span_rows=torch.tensor(rows, dtype=torch.long),
+        targets=torch.tensor(spans.targets, dtype=torch.long),
+        loss_mask=torch.tensor(spans.mask, dtype=torch.bool),
+        trajectory_index=torch.tensor(spans.owners, dtype=torch.long),
+        sampler_logprobs=None if spans.sampler is None else optional(spans.sampler),
+        teacher_logprobs=None if spans.teacher is None else optional(spans.teacher),
+        teacher_topk_ids=None if spans.topk_ids is None else optional(spans.topk_ids),
+        teacher_topk_logprobs=None
+        if spans.topk_logprobs is None
+        else optional(spans.topk_logprobs),
+        num_trajectories=num_trajectories,
+        num_processed_tokens=processed,
+        position_ids=position_ids,
+    )
+
+
+def per_turn_batch(
+    trajectories: Sequence[Trajectory],
+    loss: LossKind,
+    train_kl_on_invalid: bool = True,
+    pad_id: int = 0,
+) -> TurnBatch:
+    sequences: list[list[int]] = []
+    span_starts: list[int] = []
+    for trajectory in trajectories:
+        for k, turn in enumerate(trajectory.turns):
+            context = trajectory.context_ids(k)
+            sequences.append(context + turn.span_ids)
+            span_starts.append(len(context))
     width = max((len(s) for s in sequences), default=1)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -98,16 +171,114 @@ def per_turn_batch(
         attention[row, : len(sequence)] = 1
         # the output at position p predicts token p + 1
         rows += [row * width + p for p in range(start - 1, len(sequence) - 1)]
-    return TurnBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        span_rows=torch.tensor(rows, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long),
-        loss_mask=torch.tensor(mask, dtype=torch.bool),
-        trajectory_index=torch.tensor(owners, dtype=torch.long),
-        sampler_logprobs=torch.tensor(sampler) if has_sampler and sequences else None,
-        teacher_logprobs=torch.tensor(teacher) if has_teacher and sequences else None,
-        teacher_topk_ids=torch.tensor(topk_ids) if has_topk and sequences else None,
-        teacher_topk_logprobs=torch.tensor(topk_logprobs) if has_topk and sequences else None,
-        num_trajectories=len(trajectories),
+    spans = _spans(trajectories, loss, train_kl_on_invalid)
+    return _batch(spans, input_ids, attention, rows, len(trajectories), int(attention.sum()))
+
+
+@dataclass
+class PackedSequence:
+    """One trajectory as a single sequence: trunk, then one branch per turn that needs one."""
+
+    ids: list[int]
+    positions: list[int]
+    visible_trunk: list[int]
+    """Per position: how many trunk tokens it may see (a trunk position: itself and before)."""
+    branch: list[int]
+    """Per position: -1 on the trunk, else the index of the turn whose branch holds it."""
+    span_rows: list[int]
+    """Positions whose outputs predict the span tokens, turns in order."""
+
+
+def pack_trajectory(trajectory: Trajectory) -> PackedSequence:
+    turns = trajectory.turns
+    in_trunk = [_span_in_trunk(trajectory, k) for k in range(len(turns))]
+    trunk_len = max(
+        (
+            turn.context_len + (len(turn.span_ids) if held else 0)
+            for turn, held in zip(turns, in_trunk, strict=True)
+        ),
+        default=0,
     )
+    trunk_len = max(trunk_len, 1)
+    ids = list(trajectory.trunk_ids[:trunk_len])
+    positions = list(range(trunk_len))
+    visible = [p + 1 for p in range(trunk_len)]
+    branch = [-1] * trunk_len
+    rows: list[int] = []
+    for k, (turn, held) in enumerate(zip(turns, in_trunk, strict=True)):
+        start = turn.context_len
+        if held:  # the trunk holds the span right after its context (think kept)
+            rows += list(range(start - 1, start - 1 + len(turn.span_ids)))
+            continue
+        suffix = list(turn.context_suffix_ids)
+        first = len(ids)
+        tokens = suffix + list(turn.span_ids)
+        ids += tokens
+        positions += list(range(start, start + len(tokens)))
+        visible += [start] * len(tokens)
+        branch += [k] * len(tokens)
+        # span token j is predicted by the position before it: the context's last token
+        # (the trunk's, when there is no suffix), then the branch's own tokens
+        before_span = first + len(suffix) - 1 if suffix else start - 1
+        rows.append(before_span)
+        rows += list(range(first + len(suffix), first + len(tokens) - 1))
+    return PackedSequence(ids, positions, visible, branch, rows)
+
+
+def _span_in_trunk(trajectory: Trajectory, k: int) -> bool:
+    turn = trajectory.turns[k]
+    if turn.context_suffix_ids:
+        return False
+    start = turn.context_len
+    return trajectory.trunk_ids[start : start + len(turn.span_ids)] == list(turn.span_ids)
+
+
+def attention_rule(packed: PackedSequence) -> Tensor:
+    """[L, L] bool: query i may attend to key j. Trunk keys: causal, and a branch sees only
+    its context's part of the trunk; branch keys: only the same branch's, causally."""
+    length = len(packed.ids)
+    index = torch.arange(length)
+    branch = torch.tensor(packed.branch)
+    visible = torch.tensor(packed.visible_trunk)
+    causal = index[None, :] <= index[:, None]
+    trunk_key = (branch[None, :] == -1) & (index[None, :] < visible[:, None])
+    same_branch = (branch[None, :] == branch[:, None]) & (branch[None, :] != -1)
+    return causal & (trunk_key | same_branch)
+
+
+def check_packable(model: object) -> None:
+    """Refuse models whose layers cannot take an arbitrary attention mask."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if any("linear" in str(kind) for kind in layer_types):
+        raise PackingUnsupported(
+            "this model interleaves linear-attention layers, whose recurrent state cannot "
+            "express tree branches with a mask: train it with the per-turn layout "
+            "(algorithm.sequence_layout: per_turn)"
+        )
+
+
+def packed_batch(
+    trajectories: Sequence[Trajectory],
+    loss: LossKind,
+    train_kl_on_invalid: bool = True,
+    pad_id: int = 0,
+) -> TurnBatch:
+    """One packed sequence per trajectory; the same span tokens as `per_turn_batch`."""
+    packs = [pack_trajectory(t) for t in trajectories]
+    width = max((len(p.ids) for p in packs), default=1)
+    count = len(packs)
+    input_ids = torch.full((count, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((count, width), dtype=torch.long)
+    # padding attends to itself only, so no row of the mask is empty
+    mask = torch.eye(width, dtype=torch.bool).repeat(count, 1, 1)
+    rows: list[int] = []
+    for row, pack in enumerate(packs):
+        size = len(pack.ids)
+        input_ids[row, :size] = torch.tensor(pack.ids)
+        positions[row, :size] = torch.tensor(pack.positions)
+        mask[row, :size, :size] = attention_rule(pack)
+        rows += [row * width + r for r in pack.span_rows]
+    spans = _spans(trajectories, loss, train_kl_on_invalid)
+    processed = sum(len(p.ids) for p in packs)
+    return _batch(spans, input_ids, mask[:, None], rows, count, processed, positions)

@@ -144,6 +144,7 @@ class LocalRun:
                 kl_coef=algorithm.kl_coef,
                 train_on_invalid_turns=algorithm.train_on_invalid_turns,
                 opd_loss=algorithm.opd_loss,
+                sequence_layout=algorithm.sequence_layout,
             ),
         )
         self.step = 0

@@ -26,7 +26,15 @@ from slime_ext.losses import (
     trajectory_token_weights,
     weighted_sum,
 )
-from slime_ext.turns import LossKind, TurnBatch, per_turn_batch
+from slime_ext.turns import (
+    Layout,
+    LossKind,
+    PackingUnsupported,
+    TurnBatch,
+    check_packable,
+    packed_batch,
+    per_turn_batch,
+)
 from slime_ext.vocab_parallel import fused_lm_head, token_logprobs
 
 TrainRecipe = Literal["opd", "rl", "sft"]
@@ -49,6 +57,8 @@ class TrainerConfig(BaseModel):
     """Tokens per LM-head chunk."""
     opd_loss: Literal["sampled", "topk_tail", "topk_renorm"] = "sampled"
     """See AlgorithmConfig.opd_loss."""
+    sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"
+    """See AlgorithmConfig.sequence_layout."""
 
 
 class MissingTeacherScores(ValueError):
@@ -84,13 +94,23 @@ class LocalTrainer:
             model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
         self.pad_id = int(model.config.pad_token_id or 0)
+        self.layout: Layout = _resolve_layout(model, self.config.sequence_layout)
+
+    def batch(self, trajectories: Sequence[Trajectory], kind: LossKind) -> TurnBatch:
+        build = packed_batch if self.layout == "packed" else per_turn_batch
+        return build(trajectories, kind, self.config.train_on_invalid_turns, self.pad_id)
+
+    def _hidden_rows(self, batch: TurnBatch) -> Tensor:
+        hidden = self.model.base_model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1])[batch.span_rows]
 
     def span_logprobs(self, batch: TurnBatch) -> Tensor:
         """log p_student(span token) at the configured temperature, for every span token."""
-        hidden = self.model.base_model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask
-        ).last_hidden_state
-        rows = hidden.reshape(-1, hidden.shape[-1])[batch.span_rows]
+        rows = self._hidden_rows(batch)
         weight = self.model.get_output_embeddings().weight
         temperature = self.config.temperature
 
@@ -105,10 +125,7 @@ class LocalTrainer:
             raise MissingTeacherScores(
                 "opd_loss top-k needs teacher top-k on every turn: score with teacher.top_k > 0"
             )
-        hidden = self.model.base_model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask
-        ).last_hidden_state
-        rows = hidden.reshape(-1, hidden.shape[-1])[batch.span_rows]
+        rows = self._hidden_rows(batch)
         weight = self.model.get_output_embeddings().weight
         temperature, tail = self.config.temperature, self.config.opd_loss == "topk_tail"
 
@@ -122,7 +139,7 @@ class LocalTrainer:
         self, trajectories: Sequence[Trajectory], recipe: TrainRecipe
     ) -> tuple[Tensor, dict[str, float]]:
         kind: LossKind = "imitation" if recipe == "sft" else "kl"
-        batch = per_turn_batch(trajectories, kind, self.config.train_on_invalid_turns, self.pad_id)
+        batch = self.batch(trajectories, kind)
         mask = batch.loss_mask
         metrics: dict[str, float] = {
             "train/loss_tokens": float(batch.num_loss_tokens),
@@ -175,3 +192,17 @@ class LocalTrainer:
         self.model.eval()
         metrics["train/grad_norm"] = float(norm)
         return metrics
+
+
+def _resolve_layout(model: Any, wanted: str) -> Layout:
+    """packed where exact (full-attention models), per turn otherwise; an explicit
+    `packed` on a model that cannot take it is an error."""
+    if wanted == "per_turn":
+        return "per_turn"
+    try:
+        check_packable(model)
+    except PackingUnsupported:
+        if wanted == "packed":
+            raise
+        return "per_turn"
+    return "packed"

@@ -1,0 +1,202 @@
+"""Tree-packed training sequences (slime_ext.turns.packed_batch) against per-turn samples.
+
+The reference log-probs come from a plain HF forward of each per-turn sample (context_k +
+span_k), not from the packing code; losses and gradients are compared with the per-turn
+layout's. Trajectories are random (hypothesis): both think policies, drifted turns whose
+context keeps a suffix the trunk lost, tier-masked turns.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Turn
+from slime_ext.local.factory import build_model
+from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+from slime_ext.turns import (
+    PackingUnsupported,
+    attention_rule,
+    check_packable,
+    pack_trajectory,
+    packed_batch,
+    per_turn_batch,
+)
+
+ATOL = 1e-5
+TEMPERATURE = 0.9
+
+
+@st.composite
+def trajectories(draw: Any, think_policy: str) -> Trajectory:
+    ids = st.integers(5, 400)
+    context = draw(st.lists(ids, min_size=2, max_size=8))
+    turns: list[Turn] = []
+    trunk = list(context)
+    for k in range(draw(st.integers(1, 4))):
+        span = draw(st.lists(ids, min_size=1, max_size=6))
+        think_len = draw(st.integers(0, len(span) - 1))
+        suffix: list[int] = []
+        rewritten: list[int] = []
+        context_len = len(trunk)
+        if k > 0 and draw(st.booleans()):
+            # drift: later contexts rewrote this turn's last context tokens (the trunk
+            # holds the rewrite); the turn keeps what it saw as its suffix
+            cut = draw(st.integers(1, 2))
+            suffix = trunk[-cut:]
+            rewritten = draw(st.lists(ids, min_size=1, max_size=3))
+            context_len -= cut
+        logprobs = [-draw(st.floats(0.01, 3.0)) for _ in span]
+        teacher = [-draw(st.floats(0.01, 3.0)) for _ in span]
+        tier = draw(st.sampled_from(list(MaskTier)))
+        turns.append(
+            Turn(
+                context_len=context_len,
+                context_suffix_ids=suffix,
+                span_ids=span,
+                think_len=think_len,
+                logprobs=logprobs,
+                teacher_logprobs=teacher,
+                mask_tier=tier,
+                drift=bool(suffix),
+                drift_reason="rewritten" if suffix else None,
+            )
+        )
+        observation = draw(st.lists(ids, min_size=1, max_size=4))
+        carried = span if think_policy == "keep" else span[think_len:]
+        trunk = trunk[:context_len] + (rewritten if suffix else []) + carried + observation
+    return Trajectory(
+        trajectory_id="t",
+        task=Task(task_id="t", kind="synthetic", prompt="p"),
+        think_policy=think_policy,  # type: ignore[arg-type]
+        trunk_ids=trunk,
+        turns=turns,
+        status=TrajectoryStatus.COMPLETED,
+        status_reason="done",
+        reward=1.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def model(factory_tokenizer: Any) -> Any:
+    return build_model("qwen3-tiny", factory_tokenizer, seed=3).eval()
+
+
+def _plain_span_logprobs(model: Any, trajectory: Trajectory) -> torch.Tensor:
+    values = []
+    with torch.no_grad():
+        for k, turn in enumerate(trajectory.turns):
+            context = trajectory.context_ids(k)
+            logits = model(input_ids=torch.tensor([context + turn.span_ids])).logits[0]
+            rows = torch.log_softmax(logits[len(context) - 1 : -1].float() / TEMPERATURE, -1)
+            values.append(rows.gather(-1, torch.tensor(turn.span_ids)[:, None])[:, 0])
+    return torch.cat(values)
+
+
+def _trainer(model: Any, layout: str, recipe_loss: str = "sampled") -> LocalTrainer:
+    config = TrainerConfig(
+        temperature=TEMPERATURE,
+        sequence_layout=layout,
+        opd_loss=recipe_loss,  # type: ignore[arg-type]
+    )
+    return LocalTrainer(model, config)
+
+
+@settings(max_examples=25)
+@given(
+    st.sampled_from(["drop", "keep"]).flatmap(
+        lambda policy: st.lists(trajectories(policy), min_size=1, max_size=3)
+    )
+)
+def test_packed_span_logprobs_equal_plain_per_turn_forwards(
+    model: Any, batch: list[Trajectory]
+) -> None:
+    trainer = _trainer(model, "packed")
+    with torch.no_grad():
+        packed = trainer.span_logprobs(packed_batch(batch, "kl"))
+    expected = torch.cat([_plain_span_logprobs(model, t) for t in batch])
+    assert packed.shape == expected.shape
+    assert torch.allclose(packed, expected, atol=ATOL)
+
+
+@settings(max_examples=15)
+@given(
+    st.sampled_from(["drop", "keep"]).flatmap(
+        lambda policy: st.lists(trajectories(policy), min_size=1, max_size=3)
+    ),
+    st.sampled_from(["opd", "sft", "rl"]),
+)
+def test_packed_losses_and_gradients_equal_per_turn(
+    model: Any, batch: list[Trajectory], recipe: str
+) -> None:
+    results = []
+    for layout in ("packed", "per_turn"):
+        copy_ = copy.deepcopy(model)
+        trainer = _trainer(copy_, layout)
+        loss, metrics = trainer.loss(batch, recipe)  # type: ignore[arg-type]
+        loss.backward()
+        grads = [p.grad.clone() for p in copy_.parameters() if p.grad is not None]
+        results.append((float(loss), grads, metrics))
+    (packed_loss, packed_grads, packed_metrics), (turn_loss, turn_grads, turn_metrics) = results
+    assert packed_loss == pytest.approx(turn_loss, abs=ATOL)
+    assert len(packed_grads) == len(turn_grads)
+    for a, b in zip(packed_grads, turn_grads, strict=True):
+        assert torch.allclose(a, b, atol=ATOL)
+    assert packed_metrics["train/loss_tokens"] == turn_metrics["train/loss_tokens"]
+    assert packed_metrics["train/processed_tokens"] <= turn_metrics["train/processed_tokens"]
+
+
+@settings(max_examples=30)
+@given(st.sampled_from(["drop", "keep"]).flatmap(trajectories))
+def test_every_token_once(trajectory: Trajectory) -> None:
+    packed = pack_trajectory(trajectory)
+    needed = max(t.context_len for t in trajectory.turns)
+    spans = sum(len(t.span_ids) + len(t.context_suffix_ids) for t in trajectory.turns)
+    assert len(packed.ids) <= max(needed, len(trajectory.trunk_ids)) + spans
+    if trajectory.think_policy == "keep" and not any(t.drift for t in trajectory.turns):
+        held = all(not t.context_suffix_ids for t in trajectory.turns)
+        if held:  # think kept, no drift: the trunk holds every span; no branch at all
+            assert set(packed.branch) == {-1}
+    rule = attention_rule(packed)
+    assert rule.diagonal().all()  # every position sees itself
+    assert not rule.triu(1).any()  # nothing sees the future
+
+
+def test_hybrid_models_are_refused_and_auto_falls_back(factory_tokenizer: Any) -> None:
+    hybrid = build_model("qwen3_5-tiny", factory_tokenizer, seed=0)
+    with pytest.raises(PackingUnsupported, match="per_turn"):
+        check_packable(hybrid)
+    assert LocalTrainer(hybrid, TrainerConfig(sequence_layout="auto")).layout == "per_turn"
+    with pytest.raises(PackingUnsupported):
+        LocalTrainer(hybrid, TrainerConfig(sequence_layout="packed"))
+
+
+def test_full_attention_models_pack_by_default(model: Any) -> None:
+    assert LocalTrainer(model, TrainerConfig()).layout == "packed"
+
+
+def test_packing_cuts_processed_tokens(model: Any) -> None:
+    """A 6-turn trajectory: per turn recomputes each context, packed does not."""
+    turns, trunk = [], list(range(10, 30))
+    for k in range(6):
+        span = list(range(100 + 10 * k, 106 + 10 * k))
+        turns.append(Turn(context_len=len(trunk), span_ids=span, think_len=3))
+        trunk = trunk + span[3:] + list(range(300 + 5 * k, 304 + 5 * k))
+    trajectory = Trajectory(
+        trajectory_id="t",
+        task=Task(task_id="t", kind="synthetic", prompt="p"),
+        trunk_ids=trunk,
+        turns=turns,
+        status=TrajectoryStatus.COMPLETED,
+        status_reason="done",
+    )
+    packed = packed_batch([trajectory], "imitation")
+    per_turn = per_turn_batch([trajectory], "imitation")
+    lower_bound = turns[-1].context_len + sum(len(t.span_ids) for t in turns)
+    assert packed.num_processed_tokens == lower_bound
+    assert per_turn.num_processed_tokens > 2.5 * packed.num_processed_tokens
