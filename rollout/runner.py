@@ -25,7 +25,7 @@ from rollout.masking import MaskStats
 from rollout.policy import Policy, PolicyError, SamplingParams
 from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, write_jsonl
 from sandbox import SandboxError
-from teacher_server.api import ScoreItem
+from teacher_server.api import ScoreItem, TrajectoryScoreRequest, TrajectoryTurn
 from teacher_server.client import TeacherClient, TeacherError
 
 TeacherContext = Callable[[Task, list[int]], list[int]]
@@ -45,7 +45,10 @@ class RunnerConfig(BaseModel):
     trajectory_timeout_s: float = Field(default=600.0, gt=0)
     sampling: SamplingParams | None = None
     """Defaults to temperature 1, untruncated, max_new_tokens as above."""
-    teacher_scoring: Literal["none", "per_turn", "after"] = "none"
+    teacher_scoring: Literal["none", "per_turn", "after", "trajectory"] = "none"
+    """per_turn: each span as soon as it is sampled (overlaps the next turn); after: every
+    span once the trajectory ended; trajectory: one tree-packed request for the whole
+    trajectory once it ended (hf teacher; each token computed once)."""
     teacher_top_k: int = Field(default=0, ge=0)
 
 
@@ -79,6 +82,11 @@ class Runner:
         self.teacher_context = teacher_context or (lambda _task, ids: ids)
         if self.config.teacher_scoring != "none" and teacher is None:
             raise ValueError("teacher_scoring is set but no teacher client was given")
+        if self.config.teacher_scoring == "trajectory" and teacher_context is not None:
+            raise ValueError(
+                "teacher_scoring 'trajectory' scores the student's own contexts; a teacher "
+                "context (hint) needs per_turn or after"
+            )
         self.sampling = self.config.sampling or SamplingParams(
             max_new_tokens=self.config.max_new_tokens
         )
@@ -136,8 +144,38 @@ class Runner:
             for episode in episodes:
                 await episode.close()
         trajectory = builder.finish(status, reason, reward)
+        trainable = trajectory.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
+        if self.config.teacher_scoring == "trajectory" and trajectory.turns and trainable:
+            try:
+                await self._score_whole(trajectory)
+            except TeacherError as error:
+                trajectory.status, trajectory.status_reason = _status_for(error)
         trajectory.wall_s = time.monotonic() - started
         return trajectory
+
+    async def _score_whole(self, trajectory: Trajectory) -> None:
+        assert self.teacher is not None
+        started = time.perf_counter()
+        request = TrajectoryScoreRequest(
+            trunk_ids=trajectory.trunk_ids,
+            turns=[
+                TrajectoryTurn(
+                    context_len=turn.context_len,
+                    context_suffix_ids=turn.context_suffix_ids,
+                    span_ids=turn.span_ids,
+                )
+                for turn in trajectory.turns
+            ],
+            top_k=self.config.teacher_top_k,
+            temperature=self.sampling.temperature or 1.0,
+        )
+        results = await self.teacher.score_trajectory(request)
+        share = (time.perf_counter() - started) / len(results)
+        for turn, result in zip(trajectory.turns, results, strict=True):
+            turn.teacher_logprobs = result.logprobs
+            turn.teacher_topk_ids = result.top_k_ids
+            turn.teacher_topk_logprobs = result.top_k_logprobs
+            turn.timings.teacher_s += share
 
     async def _episode(
         self,

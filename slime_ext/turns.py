@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -189,9 +189,22 @@ class PackedSequence:
     """Positions whose outputs predict the span tokens, turns in order."""
 
 
+class PackableTurn(Protocol):
+    """What packing reads of a turn (rollout.trajectory.Turn, or the teacher API's)."""
+
+    context_len: int
+    context_suffix_ids: list[int]
+    span_ids: list[int]
+
+
 def pack_trajectory(trajectory: Trajectory) -> PackedSequence:
-    turns = trajectory.turns
-    in_trunk = [_span_in_trunk(trajectory, k) for k in range(len(turns))]
+    return pack(trajectory.trunk_ids, trajectory.turns)
+
+
+def pack(trunk_ids: Sequence[int], turns: Sequence[PackableTurn]) -> PackedSequence:
+    """The trunk (cut to what some turn needs), then a branch per turn whose span the trunk
+    does not already hold right after its context."""
+    in_trunk = [_span_in_trunk(trunk_ids, turn) for turn in turns]
     trunk_len = max(
         (
             turn.context_len + (len(turn.span_ids) if held else 0)
@@ -200,7 +213,7 @@ def pack_trajectory(trajectory: Trajectory) -> PackedSequence:
         default=0,
     )
     trunk_len = max(trunk_len, 1)
-    ids = list(trajectory.trunk_ids[:trunk_len])
+    ids = list(trunk_ids[:trunk_len])
     positions = list(range(trunk_len))
     visible = [p + 1 for p in range(trunk_len)]
     branch = [-1] * trunk_len
@@ -225,12 +238,11 @@ def pack_trajectory(trajectory: Trajectory) -> PackedSequence:
     return PackedSequence(ids, positions, visible, branch, rows)
 
 
-def _span_in_trunk(trajectory: Trajectory, k: int) -> bool:
-    turn = trajectory.turns[k]
+def _span_in_trunk(trunk_ids: Sequence[int], turn: PackableTurn) -> bool:
     if turn.context_suffix_ids:
         return False
     start = turn.context_len
-    return trajectory.trunk_ids[start : start + len(turn.span_ids)] == list(turn.span_ids)
+    return list(trunk_ids[start : start + len(turn.span_ids)]) == list(turn.span_ids)
 
 
 def attention_rule(packed: PackedSequence) -> Tensor:

@@ -45,6 +45,35 @@ class ScoreResponse(BaseModel):
     results: list[ScoreResult]
 
 
+class TrajectoryTurn(BaseModel):
+    """One turn of a whole trajectory: its context is trunk_ids[:context_len] followed by
+    context_suffix_ids (the part a later context rewrote), then the span to score."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context_len: StrictInt = Field(ge=0)
+    context_suffix_ids: list[TokenId] = Field(default_factory=list)
+    span_ids: list[TokenId] = Field(min_length=1)
+
+
+class TrajectoryScoreRequest(BaseModel):
+    """Score every turn's span of one trajectory in a single tree-packed forward (each
+    token computed once; hf backend, full-attention models)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trunk_ids: list[TokenId] = Field(min_length=1)
+    """The latest context of the trajectory (system, task, actions, observations)."""
+    turns: list[TrajectoryTurn] = Field(min_length=1)
+    top_k: StrictInt = Field(default=0, ge=0)
+    temperature: StrictFloat | StrictInt = Field(default=1.0, gt=0)
+
+
+class TrajectoryScoreResponse(BaseModel):
+    results: list[ScoreResult]
+    """One per turn, in order; logprobs[i] is of span_ids[i] given the turn's context."""
+
+
 class SessionDeleted(BaseModel):
     session_id: str
     deleted: bool

@@ -20,6 +20,8 @@ from teacher_server.api import (
     ScoreResponse,
     ServerInfo,
     SessionDeleted,
+    TrajectoryScoreRequest,
+    TrajectoryScoreResponse,
 )
 from teacher_server.backend import BackendFailure, BadScoreRequest, Overloaded, ScoringBackend
 from teacher_server.metrics import ServerMetrics
@@ -110,6 +112,28 @@ def create_app(
             return JSONResponse({"detail": str(err)}, status_code=500)
         finally:
             metrics.observe_request(len(request.requests), time.perf_counter() - started, status)
+
+    @app.post(
+        "/v1/score_trajectory",
+        response_model=TrajectoryScoreResponse,
+        dependencies=[Depends(authorize)],
+        responses=_errors(400, 401, 422, 500),
+    )
+    async def score_trajectory(request: TrajectoryScoreRequest) -> Any:
+        started = time.perf_counter()
+        status = 200
+        try:
+            return TrajectoryScoreResponse(results=await backend.score_trajectory(request))
+        except BadScoreRequest as err:
+            status = 400
+            return JSONResponse({"detail": str(err)}, status_code=400)
+        except Exception as err:  # the model failed: a server error, reported as such
+            status = 500
+            return JSONResponse(
+                {"detail": f"scoring failed: {type(err).__name__}: {err}"}, status_code=500
+            )
+        finally:
+            metrics.observe_request(len(request.turns), time.perf_counter() - started, status)
 
     @app.delete(
         "/v1/sessions/{session_id}",

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any, Protocol
 
-from teacher_server.api import ScoreItem, ScoreResult, ServerInfo
+from teacher_server.api import ScoreItem, ScoreResult, ServerInfo, TrajectoryScoreRequest
 
 
 class BadScoreRequest(ValueError):
@@ -30,6 +30,11 @@ class ScoringBackend(Protocol):
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
         """Results in request order; raises BadScoreRequest, Overloaded or BackendFailure."""
+        ...
+
+    async def score_trajectory(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
+        """Every turn's span in one tree-packed forward; raises BadScoreRequest when the
+        backend or model cannot (then score per turn with sessions)."""
         ...
 
     async def drop_session(self, session_id: str) -> bool: ...
@@ -61,6 +66,39 @@ def check_items(items: list[ScoreItem], info: ServerInfo) -> None:
                     f"{where}.input_ids[{position}]: id {token} is outside the vocabulary "
                     f"(size {info.vocab_size})"
                 )
+
+
+def check_trajectory(request: TrajectoryScoreRequest, info: ServerInfo) -> None:
+    """Whole-trajectory requests: contexts inside the trunk and growing, ids in range, and
+    the packed sequence within the max context."""
+    trunk = len(request.trunk_ids)
+    previous = 0
+    packed = trunk
+    if request.top_k > info.max_top_k:
+        raise BadScoreRequest(f"top_k: {request.top_k} is over the limit {info.max_top_k}")
+    for index, turn in enumerate(request.turns):
+        where = f"turns[{index}]"
+        if turn.context_len > trunk:
+            raise BadScoreRequest(
+                f"{where}.context_len: {turn.context_len} is past the trunk ({trunk} ids)"
+            )
+        total = turn.context_len + len(turn.context_suffix_ids)
+        if total < 1 or total <= previous:
+            raise BadScoreRequest(
+                f"{where}: its context ({total} ids) must be non-empty and longer than the "
+                f"previous turn's ({previous})"
+            )
+        previous = total
+        packed += len(turn.context_suffix_ids) + len(turn.span_ids)
+        ids = [*turn.context_suffix_ids, *turn.span_ids]
+        if any(token >= info.vocab_size for token in ids):
+            raise BadScoreRequest(f"{where}: an id is outside the vocabulary ({info.vocab_size})")
+    if any(token >= info.vocab_size for token in request.trunk_ids):
+        raise BadScoreRequest(f"trunk_ids: an id is outside the vocabulary ({info.vocab_size})")
+    if packed > info.max_context:
+        raise BadScoreRequest(
+            f"the packed trajectory ({packed} ids) exceeds the max context {info.max_context}"
+        )
 
 
 def tokenizer_identity(tokenizer: Any) -> str:

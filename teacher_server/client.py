@@ -17,6 +17,8 @@ from teacher_server.api import (
     ScoreResult,
     ServerInfo,
     SessionDeleted,
+    TrajectoryScoreRequest,
+    TrajectoryScoreResponse,
 )
 
 
@@ -113,6 +115,22 @@ class TeacherClient:
             temperature=temperature,
         )
         return (await self.score([item]))[0]
+
+    async def score_trajectory(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
+        """Every turn's span of one trajectory in one request (hf backend)."""
+        payload = await self._call(
+            "POST", "/v1/score_trajectory", json=request.model_dump(mode="json")
+        )
+        results = TrajectoryScoreResponse.model_validate(payload).results
+        if len(results) != len(request.turns):
+            raise TeacherError(f"asked for {len(request.turns)} turns, got {len(results)}")
+        for turn, result in zip(request.turns, results, strict=True):
+            if len(result.logprobs) != len(turn.span_ids):  # invariant 2
+                raise TeacherError(
+                    f"teacher returned {len(result.logprobs)} log-probs for a span of "
+                    f"{len(turn.span_ids)}"
+                )
+        return results
 
     async def drop_session(self, session_id: str) -> bool:
         payload = await self._call("DELETE", f"/v1/sessions/{session_id}")

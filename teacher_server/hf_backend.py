@@ -18,9 +18,17 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from slime_ext.turns import attention_rule, pack
 from slime_ext.vocab_parallel import VocabShard, log_softmax
-from teacher_server.api import ScoreItem, ScoreResult, ServerInfo
-from teacher_server.backend import BackendFailure, Overloaded, check_items, tokenizer_identity
+from teacher_server.api import ScoreItem, ScoreResult, ServerInfo, TrajectoryScoreRequest
+from teacher_server.backend import (
+    BackendFailure,
+    BadScoreRequest,
+    Overloaded,
+    check_items,
+    check_trajectory,
+    tokenizer_identity,
+)
 from teacher_server.metrics import ServerMetrics
 from teacher_server.session_cache import SessionCache, SessionState, rewind, snapshot
 
@@ -107,6 +115,36 @@ class HFScorer:
             span = len(item.input_ids) - item.span_start
             start = keep - span - 1
             results.append(self._span_result(logits[row, start : start + span], item, 0))
+        return results
+
+    @torch.no_grad()
+    def score_packed(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
+        """All spans of a trajectory from one tree-packed forward (slime_ext.turns.pack)."""
+        if self.is_hybrid:
+            raise BadScoreRequest(
+                "this teacher interleaves linear-attention layers, which cannot take the "
+                "packed attention rule: score per turn with a session_id"
+            )
+        packed = pack(request.trunk_ids, request.turns)
+        mask = attention_rule(packed)[None, None].to(self.device)
+        logits = self.model(
+            input_ids=torch.tensor([packed.ids], device=self.device),
+            attention_mask=mask,
+            position_ids=torch.tensor([packed.positions], device=self.device),
+            use_cache=False,
+        ).logits[0]
+        self.metrics.add_tokens(computed=len(packed.ids))
+        results, offset = [], 0
+        for turn in request.turns:
+            rows = logits[torch.tensor(packed.span_rows[offset : offset + len(turn.span_ids)])]
+            offset += len(turn.span_ids)
+            item = ScoreItem(
+                input_ids=[0, *turn.span_ids],
+                span_start=1,
+                top_k=request.top_k,
+                temperature=request.temperature,
+            )
+            results.append(self._span_result(rows, item, 0))
         return results
 
     @torch.no_grad()
@@ -277,6 +315,11 @@ class HFBackend:
 
     async def drop_session(self, session_id: str) -> bool:
         return self.scorer.sessions.drop(session_id)
+
+    async def score_trajectory(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
+        check_trajectory(request, self._info)
+        # read-only inference: safe beside the batcher's worker thread
+        return await asyncio.to_thread(self.scorer.score_packed, request)
 
     def metrics_text(self) -> str:
         sessions = self.scorer.sessions

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from teacher_server.api import ScoreItem, ScoreResult, ServerInfo
+from teacher_server.api import ScoreItem, ScoreResult, ServerInfo, TrajectoryScoreRequest
 from teacher_server.backend import BackendFailure, BadScoreRequest, Overloaded, check_items
 from teacher_server.metrics import ServerMetrics
 
@@ -86,6 +86,13 @@ class SGLangBackend:
     async def drop_session(self, session_id: str) -> bool:
         """SGLang's radix cache is shared and LRU-evicted: there is nothing to free."""
         return False
+
+    async def score_trajectory(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
+        raise BadScoreRequest(
+            "whole-trajectory scoring needs an attention mask per request, which SGLang's "
+            "/generate does not take: score per turn with a session_id (the radix cache "
+            "reuses each turn's prefix)"
+        )
 
     def metrics_text(self) -> str:
         return f"# TYPE opd_teacher_queue_depth gauge\nopd_teacher_queue_depth {self.pending}\n"
