@@ -10,6 +10,9 @@ FROM ${BASE}
 # Installed with apt when set (needs the Debian mirror); empty keeps what BASE already has,
 # which must then include python3.
 ARG PACKAGES="python3 python3-numpy python3-sympy"
+# Versions come from the Debian release BASE names: exact apt pins break as soon as the
+# mirror drops a superseded point release; pin BASE (a tag or digest) to fix the set.
+# hadolint ignore=DL3008
 RUN set -eu; \
     if [ -n "$PACKAGES" ]; then \
         apt-get update; \

@@ -2,6 +2,10 @@
 # GPUs; opd-teacher fronts it with /v1/score (input checks, span alignment, session
 # routing keys, metrics). Not built in CI. Build from the repository root:
 #   docker build -f docker/teacher.Dockerfile -t opd-teacher .
+# `latest` follows SGLang's newest release; pin the base for a reproducible image, e.g. the
+# release slime's stable image is built on:
+#   docker build -f docker/teacher.Dockerfile \
+#       --build-arg SGLANG_IMAGE=lmsysorg/sglang:v0.5.15.post1-cu129 -t opd-teacher .
 ARG SGLANG_IMAGE=lmsysorg/sglang:latest
 FROM ${SGLANG_IMAGE}
 
@@ -26,5 +30,5 @@ ENV MODEL_PATH=/models/teacher \
     MAX_TOP_K=100
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
-    CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ['PORT']}/health\", timeout=4)"]
 ENTRYPOINT ["/usr/local/bin/teacher-entrypoint.sh"]
