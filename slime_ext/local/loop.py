@@ -32,6 +32,7 @@ from launch.config import JobConfig
 from launch.runtime import runner_config
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRConfig, TIRHarness
+from rollout.hints import HintedTeacherContext, ReferenceHint
 from rollout.policy import HFPolicy
 from rollout.runner import Runner, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
@@ -148,6 +149,7 @@ class LocalRun:
             ),
         )
         self.step = 0
+        self.hints: HintedTeacherContext | None = None
         self.policy = HFPolicy(self.model, self.tokenizer.eos_token_id, seed=job.model.seed)
         if (checkpoint / "trainer.pt").is_file():
             state = torch.load(checkpoint / "trainer.pt", weights_only=False)
@@ -201,9 +203,10 @@ class LocalRun:
     ) -> list[dict[str, float]]:
         job = self.job
         recipe = job.algorithm.recipe
-        if recipe not in ("opd", "rl", "sft"):
+        if recipe not in ("opd", "opsd", "rl", "sft"):
             raise ValueError(
-                f"the local trainer runs opd, rl and sft; {recipe!r} is not yet supported here"
+                f"the local trainer runs opd, opsd, rl and sft; {recipe!r} is not yet "
+                "supported here"
             )
         total = steps if steps is not None else job.algorithm.steps
         harness = tir_harness()
@@ -215,11 +218,17 @@ class LocalRun:
         history: list[dict[str, float]] = []
         async with contextlib.AsyncExitStack() as stack:
             teacher = None
-            if recipe == "opd":
+            if recipe in ("opd", "opsd"):
                 if teacher_url is None:
-                    raise ValueError("recipe opd needs a teacher service URL")
+                    raise ValueError(f"recipe {recipe} needs a teacher service URL")
                 teacher = await stack.enter_async_context(TeacherClient(teacher_url, api_key))
-            runner = Runner(harness, self.policy, renderer, config, teacher=teacher)
+            if recipe == "opsd":  # the frozen snapshot sees a reference hint
+                self.hints = HintedTeacherContext(
+                    renderer, harness.initial_messages, ReferenceHint()
+                )
+            runner = Runner(
+                harness, self.policy, renderer, config, teacher=teacher, teacher_context=self.hints
+            )
             with Progress(
                 "[progress.description]{task.description}",
                 BarColumn(),
@@ -243,6 +252,8 @@ class LocalRun:
         job = self.job
         started = time.perf_counter()
         batch = tasks_for_step(tasks, self.step, job.rollout.tasks_per_step, job.model.seed)
+        if self.hints is not None:
+            await self.hints.prepare(batch)
         trajectories = await runner.run(batch, job.rollout.samples_per_task)
         rollout_s = time.perf_counter() - started
         path = self.run_dir / "trajectories" / f"step_{self.step:05d}.jsonl"
@@ -252,7 +263,9 @@ class LocalRun:
         train_started = time.perf_counter()
         metrics: dict[str, float] = {}
         if trained:
-            metrics = self.trainer.step(trained, recipe)  # type: ignore[arg-type]
+            # OPSD trains like OPD: the teacher differs, not the loss
+            loss_recipe = "opd" if recipe == "opsd" else recipe
+            metrics = self.trainer.step(trained, loss_recipe)  # type: ignore[arg-type]
         metrics.update(rollout_metrics(trajectories))
         metrics.update(
             {
@@ -273,6 +286,8 @@ class LocalRun:
             metrics["perf/processed_tokens_per_loss_token"] = (
                 metrics["train/processed_tokens"] / loss_tokens
             )
+        if self.hints is not None:
+            metrics.update(self.hints.stats.metrics())
         if "train/opd_reverse_kl" in metrics:
             metrics["rollout/opd_reverse_kl"] = metrics["train/opd_reverse_kl"]
             metrics["rollout/student_gt_teacher_frac"] = metrics["train/student_gt_teacher_frac"]
@@ -287,7 +302,7 @@ class LocalRun:
     def _trainable(trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:
         """Trajectories that carry a training signal; the rest are counted in metrics."""
         usable = [t for t in trajectories if t.turns]
-        if recipe == "opd":
+        if recipe in ("opd", "opsd"):
             usable = [
                 t for t in usable if all(turn.teacher_logprobs is not None for turn in t.turns)
             ]

@@ -43,11 +43,17 @@ def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
 
 @contextlib.contextmanager
 def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str | None]]:
-    """(url, api key) of the teacher service the job uses, started here when embedded."""
-    if job.algorithm.recipe != "opd":
+    """(url, api key) of the teacher service the job uses, started here when embedded; for
+    OPSD a frozen snapshot of the student's initial checkpoint."""
+    recipe, teacher = job.algorithm.recipe, job.teacher
+    if recipe == "opsd" and teacher.kind == "self":
+        snapshot = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)
+        with embedded_teacher(snapshot, run_dir / "teacher.log") as url:
+            yield url, None
+        return
+    if recipe != "opd":
         yield None, None
         return
-    teacher = job.teacher
     if teacher.kind == "remote":
         api_key = os.environ.get(teacher.api_key_env) if teacher.api_key_env else None
         yield teacher.url, api_key
