@@ -251,3 +251,28 @@ def _checkpoint_step(path: Path) -> int:
         except (EOFError, RuntimeError, FileNotFoundError):
             time.sleep(0.1)  # being replaced
     raise AssertionError(f"{path} unreadable")
+
+
+@pytest.mark.timeout(600)
+def test_opsd_trains_against_a_hinted_frozen_snapshot(tmp_path: Path) -> None:
+    """Recipe opsd: the teacher is the student's initial checkpoint served on 127.0.0.1,
+    its contexts carry a reference hint; two steps train and log the hint metrics."""
+    from launch.config import config_from_dict
+    from slime_ext.local.run_config import run_local_job
+
+    job = config_from_dict(
+        {
+            "model": {"student": "factory:qwen3-tiny", "seed": 0},
+            "rollout": {"max_turns": 2, "max_new_tokens": 12, "tasks_per_step": 2},
+            "teacher": {"kind": "self"},
+            "algorithm": {"recipe": "opsd", "steps": 2, "lr": 1e-3},
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+        }
+    )
+    history = run_local_job(job)
+    assert len(history) == 2
+    for metrics in history:
+        assert metrics["rollout/hint_count"] >= 2 and metrics["rollout/hint_leak_refusals"] == 0
+        assert metrics["rollout/hint_tokens"] > 0
+        assert "rollout/opd_reverse_kl" in metrics
+    assert history[0]["train/loss_tokens"] > 0
