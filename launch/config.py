@@ -177,6 +177,15 @@ class TeacherConfig(Section):
     """Cluster, sglang backend: SGLang's tensor-parallel size on the teacher node."""
     serve_args: list[str] = Field(default_factory=list)
     """Cluster: extra `opd-teacher serve` arguments (e.g. --max-queue 4096)."""
+    snapshot: Literal["fixed", "ema", "refresh"] = "fixed"
+    """Self-teachers (OPSD/OPRD): the student's initial weights throughout (fixed), an
+    exponential moving average of the student (ema), or the student's weights copied in at
+    the fractions of training in `refresh_at` (refresh); the service reloads them."""
+    refresh_at: list[float] = Field(default_factory=lambda: [0.2, 0.4, 0.6, 0.8])
+    """snapshot refresh: fractions of training at which the teacher takes the student's weights."""
+    ema_decay: float = Field(default=0.99, gt=0.0, lt=1.0)
+    ema_sync_every: int = Field(default=5, ge=1)
+    """snapshot ema: steps between pushing the average to the teacher service."""
 
     @model_validator(mode="after")
     def _kind_has_its_fields(self) -> TeacherConfig:

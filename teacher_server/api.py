@@ -74,6 +74,21 @@ class TrajectoryScoreResponse(BaseModel):
     """One per turn, in order; logprobs[i] is of span_ids[i] given the turn's context."""
 
 
+class ReloadRequest(BaseModel):
+    """Replace the served weights (a self-teacher refreshed from the student)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_dir: StrictStr = Field(min_length=1)
+    """A checkpoint directory readable by the server, with the same tokenizer."""
+
+
+class ReloadResult(BaseModel):
+    model: str
+    sessions_dropped: int
+    """Cached prefixes computed with the old weights, now discarded."""
+
+
 class SessionDeleted(BaseModel):
     session_id: str
     deleted: bool

@@ -16,6 +16,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from teacher_server.api import (
     ErrorBody,
     Health,
+    ReloadRequest,
+    ReloadResult,
     ScoreRequest,
     ScoreResponse,
     ServerInfo,
@@ -38,6 +40,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     meaning = {
         400: "Bad input; the message names the field",
         401: "Missing or wrong API key",
+        403: "Not allowed on this server (reload needs a server with an API key)",
         422: "Malformed request body",
         500: "The backend failed",
         503: "Queue full; retry after the Retry-After header",
@@ -134,6 +137,27 @@ def create_app(
             )
         finally:
             metrics.observe_request(len(request.turns), time.perf_counter() - started, status)
+
+    @app.post(
+        "/v1/reload",
+        response_model=ReloadResult,
+        dependencies=[Depends(authorize)],
+        responses=_errors(400, 401, 403, 422, 500),
+    )
+    async def reload(request: ReloadRequest) -> Any:
+        """Swap the served weights (a self-teacher refreshed from the student). Only on a
+        server started with an API key: whoever can reload chooses what the teacher says."""
+        if api_key is None:
+            return JSONResponse(
+                {"detail": "reloading weights needs a server started with --api-key"},
+                status_code=403,
+            )
+        try:
+            return await backend.reload(request.model_dir)
+        except BadScoreRequest as err:
+            return JSONResponse({"detail": str(err)}, status_code=400)
+        except BackendFailure as err:
+            return JSONResponse({"detail": str(err)}, status_code=500)
 
     @app.delete(
         "/v1/sessions/{session_id}",

@@ -6,7 +6,13 @@ import hashlib
 import json
 from typing import Any, Protocol
 
-from teacher_server.api import ScoreItem, ScoreResult, ServerInfo, TrajectoryScoreRequest
+from teacher_server.api import (
+    ReloadResult,
+    ScoreItem,
+    ScoreResult,
+    ServerInfo,
+    TrajectoryScoreRequest,
+)
 
 
 class BadScoreRequest(ValueError):
@@ -38,6 +44,11 @@ class ScoringBackend(Protocol):
         ...
 
     async def drop_session(self, session_id: str) -> bool: ...
+
+    async def reload(self, model_dir: str) -> ReloadResult:
+        """Serve the weights in `model_dir` from now on; raises BadScoreRequest when they
+        cannot replace the current ones (another tokenizer, unreadable)."""
+        ...
 
     def metrics_text(self) -> str:
         """Backend-specific Prometheus lines (queue depth, cache, tokens computed)."""

@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 
 from teacher_server.api import (
+    ReloadRequest,
+    ReloadResult,
     ScoreItem,
     ScoreRequest,
     ScoreResponse,
@@ -131,6 +133,11 @@ class TeacherClient:
                     f"{len(turn.span_ids)}"
                 )
         return results
+
+    async def reload(self, model_dir: str) -> ReloadResult:
+        """Have the service serve the weights in `model_dir` (needs its API key)."""
+        body = ReloadRequest(model_dir=model_dir).model_dump(mode="json")
+        return ReloadResult.model_validate(await self._call("POST", "/v1/reload", json=body))
 
     async def drop_session(self, session_id: str) -> bool:
         payload = await self._call("DELETE", f"/v1/sessions/{session_id}")

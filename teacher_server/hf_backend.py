@@ -20,7 +20,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from slime_ext.turns import attention_rule, pack
 from slime_ext.vocab_parallel import VocabShard, log_softmax
-from teacher_server.api import ScoreItem, ScoreResult, ServerInfo, TrajectoryScoreRequest
+from teacher_server.api import (
+    ReloadResult,
+    ScoreItem,
+    ScoreResult,
+    ServerInfo,
+    TrajectoryScoreRequest,
+)
 from teacher_server.backend import (
     BackendFailure,
     BadScoreRequest,
@@ -280,11 +286,9 @@ class HFBackend:
         snapshot_every: int = 512,
     ) -> None:
         self.model_dir = str(model_dir)
+        self.device, self.dtype = device, dtype
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype)
-        )
-        torch.nn.Module.to(model, torch.device(device))
+        model = self._load(model_dir)
         self.scorer = HFScorer(model, metrics, int(cache_budget_mb * 2**20), snapshot_every)
         config_context = getattr(model.config, "max_position_embeddings", None) or 4096
         self._info = ServerInfo(
@@ -302,6 +306,34 @@ class HFBackend:
 
     def info(self) -> ServerInfo:
         return self._info
+
+    def _load(self, model_dir: str | Path) -> PreTrainedModel:
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, self.dtype)
+        )
+        torch.nn.Module.to(model, torch.device(self.device))
+        return model.eval()
+
+    async def reload(self, model_dir: str) -> ReloadResult:
+        try:
+            identity = tokenizer_identity(AutoTokenizer.from_pretrained(model_dir))
+            if identity.rsplit("@", 1)[-1] != self._info.tokenizer.rsplit("@", 1)[-1]:
+                raise BadScoreRequest(
+                    f"{model_dir} has another tokenizer ({identity}) than the served model "
+                    f"({self._info.tokenizer}): the teacher would score other tokens"
+                )
+            model = await asyncio.to_thread(self._load, model_dir)
+        except (OSError, ValueError) as err:
+            if isinstance(err, BadScoreRequest):
+                raise
+            raise BadScoreRequest(f"cannot load {model_dir}: {err}") from err
+        # meant between training steps: a session request in flight during the swap may
+        # finish on the old weights (its cache is dropped here either way)
+        self.scorer.model = model
+        dropped = self.scorer.sessions.clear()
+        self.model_dir = str(model_dir)
+        self._info = self._info.model_copy(update={"model": self.model_dir})
+        return ReloadResult(model=self.model_dir, sessions_dropped=dropped)
 
     async def start(self) -> None:
         self.batcher.start()

@@ -120,6 +120,14 @@ class SessionCache:
             self._locks.pop(session_id, None)
             return self._states.pop(session_id, None) is not None
 
+    def clear(self) -> int:
+        """Drop every session (their prefixes were computed with other weights)."""
+        with self._guard:
+            count = len(self._states)
+            self._states.clear()
+            self._locks.clear()
+            return count
+
     @property
     def total_bytes(self) -> int:
         return sum(size for _, size in self._states.values())

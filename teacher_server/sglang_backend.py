@@ -18,7 +18,13 @@ from typing import Any
 
 import httpx
 
-from teacher_server.api import ScoreItem, ScoreResult, ServerInfo, TrajectoryScoreRequest
+from teacher_server.api import (
+    ReloadResult,
+    ScoreItem,
+    ScoreResult,
+    ServerInfo,
+    TrajectoryScoreRequest,
+)
 from teacher_server.backend import BackendFailure, BadScoreRequest, Overloaded, check_items
 from teacher_server.metrics import ServerMetrics
 
@@ -86,6 +92,20 @@ class SGLangBackend:
     async def drop_session(self, session_id: str) -> bool:
         """SGLang's radix cache is shared and LRU-evicted: there is nothing to free."""
         return False
+
+    async def reload(self, model_dir: str) -> ReloadResult:
+        """SGLang's own /update_weights_from_disk (same architecture, new weights)."""
+        assert self._client is not None, "start() first"
+        try:
+            response = await self._client.post(
+                "/update_weights_from_disk", json={"model_path": model_dir}
+            )
+        except httpx.HTTPError as err:
+            raise BackendFailure(f"SGLang unreachable for the reload: {err}") from err
+        body = response.json() if response.content else {}
+        if response.status_code != 200 or body.get("success") is False:
+            raise BadScoreRequest(f"SGLang refused to load {model_dir}: {body or response.text}")
+        return ReloadResult(model=model_dir, sessions_dropped=0)
 
     async def score_trajectory(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
         raise BadScoreRequest(

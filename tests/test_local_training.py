@@ -254,9 +254,19 @@ def _checkpoint_step(path: Path) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_opsd_trains_against_a_hinted_frozen_snapshot(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "snapshot",
+    [
+        {"snapshot": "fixed"},
+        {"snapshot": "refresh", "refresh_at": [0.5]},
+        {"snapshot": "ema", "ema_sync_every": 1},
+    ],
+    ids=["fixed", "refresh", "ema"],
+)
+def test_opsd_trains_against_a_hinted_self_teacher(tmp_path: Path, snapshot: dict) -> None:
     """Recipe opsd: the teacher is the student's initial checkpoint served on 127.0.0.1,
-    its contexts carry a reference hint; two steps train and log the hint metrics."""
+    its contexts carry a reference hint; two steps train and log the hint metrics; refresh
+    and ema push the student's (averaged) weights to the service between steps."""
     from launch.config import config_from_dict
     from slime_ext.local.run_config import run_local_job
 
@@ -264,7 +274,7 @@ def test_opsd_trains_against_a_hinted_frozen_snapshot(tmp_path: Path) -> None:
         {
             "model": {"student": "factory:qwen3-tiny", "seed": 0},
             "rollout": {"max_turns": 2, "max_new_tokens": 12, "tasks_per_step": 2},
-            "teacher": {"kind": "self"},
+            "teacher": {"kind": "self", **snapshot},
             "algorithm": {"recipe": "opsd", "steps": 2, "lr": 1e-3},
             "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
         }
@@ -276,3 +286,8 @@ def test_opsd_trains_against_a_hinted_frozen_snapshot(tmp_path: Path) -> None:
         assert metrics["rollout/hint_tokens"] > 0
         assert "rollout/opd_reverse_kl" in metrics
     assert history[0]["train/loss_tokens"] > 0
+    pushed = sorted(p.name for p in (tmp_path / "run/teacher_snapshots").glob("step_*"))
+    expected = {"fixed": [], "refresh": ["step_00001"], "ema": ["step_00001", "step_00002"]}
+    assert pushed == expected[snapshot["snapshot"]]
+    if pushed:
+        assert history[0]["teacher/snapshot_step"] == 1.0

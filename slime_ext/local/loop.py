@@ -50,11 +50,20 @@ class TeacherStartError(RuntimeError):
 
 @contextlib.contextmanager
 def embedded_teacher(
-    model_dir: Path, log_path: Path, port: int | None = None, startup_timeout_s: float = 120.0
+    model_dir: Path,
+    log_path: Path,
+    port: int | None = None,
+    startup_timeout_s: float = 120.0,
+    api_key: str | None = None,
 ) -> Iterator[str]:
-    """Run `opd-teacher serve` (hf backend) on 127.0.0.1 for the duration of the block."""
+    """Run `opd-teacher serve` (hf backend) on 127.0.0.1 for the duration of the block
+    (with `api_key`, requests need it and the weights can be reloaded)."""
     port = port or _free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ}
+    env.pop("OPD_TEACHER_API_KEY", None)
+    if api_key:
+        env["OPD_TEACHER_API_KEY"] = api_key
     with log_path.open("w") as log:
         server = subprocess.Popen(
             [
@@ -73,6 +82,7 @@ def embedded_teacher(
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
         url = f"http://127.0.0.1:{port}"
         try:
@@ -150,6 +160,7 @@ class LocalRun:
         )
         self.step = 0
         self.hints: HintedTeacherContext | None = None
+        self.ema: dict[str, torch.Tensor] | None = None
         self.policy = HFPolicy(self.model, self.tokenizer.eos_token_id, seed=job.model.seed)
         if (checkpoint / "trainer.pt").is_file():
             state = torch.load(checkpoint / "trainer.pt", weights_only=False)
@@ -238,8 +249,12 @@ class LocalRun:
                 transient=True,
             ) as progress:
                 bar = progress.add_task(f"{recipe} steps", total=total, completed=self.step)
+                if teacher is not None and job.teacher.kind == "self":
+                    await self._restore_teacher_snapshot(teacher)
                 while self.step < total:
                     metrics = await self._one_step(runner, tasks, recipe)
+                    if teacher is not None and job.teacher.kind == "self":
+                        metrics.update(await self._update_self_teacher(teacher, total))
                     history.append(metrics)
                     if on_step is not None:
                         on_step(self.step - 1, metrics)
@@ -297,6 +312,45 @@ class LocalRun:
         if self.step % job.logging.save_every_steps == 0 or self.step == job.algorithm.steps:
             self.save()
         return metrics
+
+    async def _update_self_teacher(self, teacher: TeacherClient, total: int) -> dict[str, float]:
+        """EMA or refresh: push new weights to the self-teacher after this step."""
+        config = self.job.teacher
+        if config.snapshot == "ema":
+            with torch.no_grad():
+                if self.ema is None:
+                    self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                for name, value in self.model.state_dict().items():
+                    if value.is_floating_point():
+                        self.ema[name].mul_(config.ema_decay).add_(
+                            value, alpha=1 - config.ema_decay
+                        )
+            if self.step % config.ema_sync_every == 0:
+                return await self._push_teacher(teacher, self.ema)
+        elif config.snapshot == "refresh":
+            fractions = [
+                f for f in config.refresh_at if (self.step - 1) / total < f <= self.step / total
+            ]
+            if fractions:
+                return await self._push_teacher(teacher, self.model.state_dict())
+        return {}
+
+    async def _push_teacher(
+        self, teacher: TeacherClient, weights: dict[str, Any]
+    ) -> dict[str, float]:
+        directory = self.run_dir / "teacher_snapshots" / f"step_{self.step:05d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory, state_dict=weights)
+        self.tokenizer.save_pretrained(directory)
+        await teacher.reload(str(directory))
+        return {"teacher/snapshot_step": float(self.step)}
+
+    async def _restore_teacher_snapshot(self, teacher: TeacherClient) -> None:
+        """On resume: the teacher serves the latest snapshot taken before the checkpoint."""
+        root = self.run_dir / "teacher_snapshots"
+        taken = sorted(p for p in root.glob("step_*") if int(p.name[5:]) <= self.step)
+        if taken:
+            await teacher.reload(str(taken[-1]))
 
     @staticmethod
     def _trainable(trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:

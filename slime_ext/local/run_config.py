@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,9 @@ def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str
     recipe, teacher = job.algorithm.recipe, job.teacher
     if recipe == "opsd" and teacher.kind == "self":
         snapshot = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)
-        with embedded_teacher(snapshot, run_dir / "teacher.log") as url:
-            yield url, None
+        key = secrets.token_hex(16)  # reloads (ema / refresh) need an authenticated service
+        with embedded_teacher(snapshot, run_dir / "teacher.log", api_key=key) as url:
+            yield url, key
         return
     if recipe != "opd":
         yield None, None
