@@ -1,11 +1,15 @@
-"""OPD vs outcome RL vs SFT on teacher traces, at equal steps, on the same held-out set.
+"""Recipes at equal steps on the same held-out set: OPD vs outcome RL vs SFT on teacher
+traces, and OPSD (the student's frozen snapshot with a reference hint) vs its no-hint
+control.
 
 Each recipe trains the bundled student for `--steps` steps with `--seeds` seeds (the
 seed changes sampling and data order); greedy held-out accuracy after each run; mean
-and a 95% interval over seeds per recipe, and each recipe's paired difference to OPD.
+and a 95% interval over seeds per recipe; for the self-teacher recipes also the first
+step's rollout/opd_reverse_kl (the hint is what makes the snapshot differ).
 Not run by CI (tens of minutes on 2 cores).
 
     .venv/bin/python bench/recipes_compare.py [--steps 20] [--seeds 3] [--n-heldout 300]
+        [--recipes opd,rl,sft_traces,opsd,opsd_nohint]
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ def run_recipe(
     run_dir = root / f"{recipe}-{seed}"
     job = demo_job(run_dir, steps).model_copy(deep=True)
     job.model.seed = seed
-    job.algorithm.recipe = "sft" if recipe == "sft_traces" else recipe  # type: ignore[assignment]
+    job.algorithm.recipe = {"sft_traces": "sft", "opsd_nohint": "opsd"}.get(recipe, recipe)  # type: ignore[assignment]
+    if recipe.startswith("opsd"):
+        job.teacher.kind = "self"
+        job.teacher.hint = "none" if recipe == "opsd_nohint" else "reference"
     job.logging.wandb_mode = "disabled"
     tasks = make_tasks(4000, "train", seed=seed)
     run = LocalRun(job, student_dir, run_dir)
@@ -54,9 +61,16 @@ def run_recipe(
     elif recipe == "opd":
         with embedded_teacher(teacher_dir, run_dir / "teacher.log") as url:
             asyncio.run(run.train(tasks, url))
+    elif recipe.startswith("opsd"):  # the teacher: a frozen snapshot of the student
+        with embedded_teacher(student_dir, run_dir / "teacher.log") as url:
+            history = asyncio.run(run.train(tasks, url))
+        FIRST_KL[(recipe, seed)] = history[0].get("rollout/opd_reverse_kl", float("nan"))
     else:
         asyncio.run(run.train(tasks, None))
     return asyncio.run(_accuracy(run_dir / "checkpoint", heldout))
+
+
+FIRST_KL: dict[tuple[str, int], float] = {}
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -72,13 +86,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--n-heldout", type=int, default=300)
+    parser.add_argument("--recipes", default="opd,rl,sft_traces")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     student_dir, teacher_dir = bundled_models()
     heldout = make_tasks(args.n_heldout, "heldout", seed=1)
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for recipe in ("opd", "rl", "sft_traces"):
+        for recipe in args.recipes.split(","):
             for seed in range(args.seeds):
                 correct = run_recipe(
                     recipe, seed, args.steps, heldout, teacher_dir, student_dir, Path(tmp)
@@ -91,6 +106,10 @@ def main() -> None:
             f"{recipe:>10}: mean {statistics.fmean(accuracies):.1%} "
             f"[{low:.1%}, {high:.1%}] over {len(accuracies)} seeds"
         )
+    for recipe in ("opsd", "opsd_nohint"):
+        kls = [v for (r, _), v in FIRST_KL.items() if r == recipe]
+        if kls:
+            print(f"{recipe:>11}: first-step opd_reverse_kl mean {statistics.fmean(kls):.4f}")
 
 
 if __name__ == "__main__":

@@ -177,6 +177,12 @@ class TeacherConfig(Section):
     """Cluster, sglang backend: SGLang's tensor-parallel size on the teacher node."""
     serve_args: list[str] = Field(default_factory=list)
     """Cluster: extra `opd-teacher serve` arguments (e.g. --max-queue 4096)."""
+    hint: Literal["reference", "critic", "none"] = "reference"
+    """OPSD: what the self-teacher's context carries: the task's reference solution (its
+    method, never the value), a critic model's hint (critic_url), or nothing (a control)."""
+    critic_url: str | None = None
+    """OpenAI-compatible base URL of the critic model (hint: critic)."""
+    critic_model: str = "critic"
     snapshot: Literal["fixed", "ema", "refresh"] = "fixed"
     """Self-teachers (OPSD/OPRD): the student's initial weights throughout (fixed), an
     exponential moving average of the student (ema), or the student's weights copied in at
@@ -191,6 +197,8 @@ class TeacherConfig(Section):
     def _kind_has_its_fields(self) -> TeacherConfig:
         if self.kind == "remote" and not self.url:
             raise ValueError("kind 'remote' needs url (the opd-teacher service's base URL)")
+        if self.hint == "critic" and not self.critic_url:
+            raise ValueError("hint 'critic' needs critic_url (an OpenAI-compatible endpoint)")
         if self.kind == "embedded" and not self.model:
             raise ValueError("kind 'embedded' needs model (a HF directory or factory:<preset>)")
         return self

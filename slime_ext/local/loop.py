@@ -32,7 +32,7 @@ from launch.config import JobConfig
 from launch.runtime import runner_config
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRConfig, TIRHarness
-from rollout.hints import HintedTeacherContext, ReferenceHint
+from rollout.hints import CriticHint, HintedTeacherContext, HintSource, ReferenceHint
 from rollout.policy import HFPolicy
 from rollout.runner import Runner, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
@@ -233,10 +233,12 @@ class LocalRun:
                 if teacher_url is None:
                     raise ValueError(f"recipe {recipe} needs a teacher service URL")
                 teacher = await stack.enter_async_context(TeacherClient(teacher_url, api_key))
-            if recipe == "opsd":  # the frozen snapshot sees a reference hint
-                self.hints = HintedTeacherContext(
-                    renderer, harness.initial_messages, ReferenceHint()
-                )
+            if recipe == "opsd" and job.teacher.hint != "none":  # the snapshot sees a hint
+                source: HintSource = ReferenceHint()
+                if job.teacher.hint == "critic":
+                    assert job.teacher.critic_url is not None
+                    source = CriticHint(job.teacher.critic_url, job.teacher.critic_model)
+                self.hints = HintedTeacherContext(renderer, harness.initial_messages, source)
             runner = Runner(
                 harness, self.policy, renderer, config, teacher=teacher, teacher_context=self.hints
             )
