@@ -60,12 +60,19 @@ def synthetic(turns: int, prompt: int, think: int, action: int, observation: int
 
 
 def timed_step(trainer: LocalTrainer, trajectory: Trajectory, repeats: int) -> float:
+    """Packed: the trajectory in one forward + backward. Per turn: one sample per turn,
+    accumulated (a padded batch of all 40 turns would need [40, heads, 8k, 8k] scores)."""
+    if trainer.layout == "packed":
+        parts = [trajectory]
+    else:
+        parts = [trajectory.model_copy(update={"turns": [turn]}) for turn in trajectory.turns]
     best = float("inf")
     for _ in range(repeats):
         trainer.optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        loss, _ = trainer.loss([trajectory], "opd")
-        loss.backward()
+        for part in parts:
+            loss, _ = trainer.loss([part], "opd")
+            loss.backward()
         best = min(best, time.perf_counter() - started)
     return best
 
