@@ -2,7 +2,8 @@
 
 `LocalSandbox` runs shell commands under its own uid (bubblewrap when available);
 `PythonWorker` keeps one python interpreter per trajectory for tool-integrated reasoning;
-`DockerSandbox` runs them in a hardened container (`sandbox.docker.reap` removes leftovers).
+`DockerSandbox` runs them in a hardened container (`sandbox.docker.reap` removes leftovers);
+`E2BSandbox` in an E2B cloud sandbox (`sandbox.e2b.reap` kills leftovers).
 """
 
 from sandbox.base import (
@@ -17,12 +18,15 @@ from sandbox.base import (
     SandboxUnavailableError,
 )
 from sandbox.docker import DockerSandbox, DockerSandboxConfig
+from sandbox.e2b import E2BSandbox, E2BSandboxConfig
 from sandbox.local import LocalSandbox, LocalSandboxConfig
 from sandbox.python_worker import PythonWorker, PythonWorkerConfig, WorkerExecResult
 
 __all__ = [
     "DockerSandbox",
     "DockerSandboxConfig",
+    "E2BSandbox",
+    "E2BSandboxConfig",
     "ExecResult",
     "LocalSandbox",
     "LocalSandboxConfig",
