@@ -111,14 +111,15 @@ def swebench_test_spec(instance: Mapping[str, Any]) -> Any:
     from swebench.harness.constants import FAIL_ONLY_REPOS, EvalType
     from swebench.harness.utils import make_test_spec
 
+    from rollout.tasks.swe_spec import swebench_image
+
     repo = instance["repo"]
     instance_id = instance["instance_id"]
     fail_only = repo in FAIL_ONLY_REPOS
     return make_test_spec(
         {
             **instance,
-            "image": instance.get("image")
-            or f"swebench/sweb.eval.x86_64.{instance_id.replace('__', '_1776_')}",
+            "image": instance.get("image") or swebench_image(instance_id),
             "eval_script": instance.get("eval_script") or "",
             "log_parser": instance.get("log_parser") or parser_name_for_repo(repo),
             "eval_type": instance.get("eval_type")
