@@ -100,7 +100,7 @@ def test_parser_and_eval_type_come_from_the_repo_when_the_instance_lacks_them() 
     assert parser_name_for_repo("sympy/sympy") == "parse_log_sympy"
     spec = swebench_test_spec(_instance("pytest"))
     assert (spec.log_parser, spec.eval_type) == ("parse_log_pytest", "pass_and_fail")
-    assert spec.image == "swebench/sweb.eval.x86_64.pytest-dev_1776_pytest-7373"
+    assert spec.image == "swebench/sweb.eval.x86_64.pytest-dev_1776_pytest-7373:latest"
     assert json.loads(_instance("pytest")["FAIL_TO_PASS"]) == spec.FAIL_TO_PASS
 
 
