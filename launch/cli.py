@@ -16,6 +16,7 @@ from launch.dashboard import (
     MissingWandbKey,
     dashboard,
 )
+from launch.ssd_cli import ssd_app
 
 console = Console()
 err_console = Console(stderr=True)
@@ -30,6 +31,7 @@ config_app = typer.Typer(help="Check and inspect job configs (YAML).", no_args_i
 factory_app = typer.Typer(help="Small local models for tests and demos.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(factory_app, name="factory")
+app.add_typer(ssd_app, name="ssd")
 
 ConfigPath = Annotated[Path, typer.Argument(help="A job config YAML file.")]
 Overrides = Annotated[
