@@ -99,20 +99,27 @@ def main() -> None:
         f"tokens, {trajectory.span_token_count()} span tokens; lower bound {lower} tokens"
     )
     results = {}
-    for layout, build in (("packed", packed_batch), ("per_turn", per_turn_batch)):
+    for name, layout, kernel in (
+        ("packed-kv", "packed", "kv"),
+        ("packed-mask", "packed", "mask"),
+        ("per_turn", "per_turn", "kv"),
+    ):
+        build = per_turn_batch if layout == "per_turn" else packed_batch
         processed = build([trajectory], "kl").num_processed_tokens
-        trainer = LocalTrainer(model, TrainerConfig(sequence_layout=layout))  # type: ignore[arg-type]
-        seconds = timed_step(trainer, trajectory, args.repeats)
-        results[layout] = (processed, seconds)
+        config = TrainerConfig(sequence_layout=layout, packed_kernel=kernel)  # type: ignore[arg-type]
+        seconds = timed_step(LocalTrainer(model, config), trajectory, args.repeats)
+        results[name] = (processed, seconds)
         print(
-            f"{layout:9s} processed {processed:7d} tokens ({processed / lower:.2f}x the lower "
-            f"bound), forward+backward {seconds:.2f} s"
+            f"{name:11s} processed {processed:7d} tokens ({processed / lower:.2f}x the lower "
+            f"bound), forward+backward {seconds:.2f} s",
+            flush=True,
         )
-    (packed_tokens, packed_s), (turn_tokens, turn_s) = results["packed"], results["per_turn"]
-    print(
-        f"per_turn / packed: tokens {turn_tokens / packed_tokens:.1f}x, "
-        f"time {turn_s / packed_s:.1f}x"
-    )
+    turn_tokens, turn_s = results["per_turn"]
+    for name in ("packed-kv", "packed-mask"):
+        tokens, seconds = results[name]
+        print(
+            f"per_turn / {name}: tokens {turn_tokens / tokens:.1f}x, time {turn_s / seconds:.1f}x"
+        )
 
 
 if __name__ == "__main__":

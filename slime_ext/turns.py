@@ -67,6 +67,8 @@ class TurnBatch:
     """Tokens the forward pass runs over (padding excluded): the layout's cost."""
     position_ids: Tensor | None = None
     """[B, L] explicit positions (packed: a branch continues its context's positions)."""
+    packs: list[PackedSequence] | None = None
+    """Packed: each trajectory's layout, for kernels that evaluate trunk then branches."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -188,6 +190,22 @@ class PackedSequence:
     span_rows: list[int]
     """Positions whose outputs predict the span tokens, turns in order."""
 
+    @property
+    def trunk_len(self) -> int:
+        return self.branch.count(-1)
+
+    def branches(self) -> list[tuple[int, int, int]]:
+        """(start, end, visible trunk tokens) of each branch, in order."""
+        spans: list[tuple[int, int, int]] = []
+        position = self.trunk_len
+        while position < len(self.branch):
+            end = position
+            while end < len(self.branch) and self.branch[end] == self.branch[position]:
+                end += 1
+            spans.append((position, end, self.visible_trunk[position]))
+            position = end
+        return spans
+
 
 class PackableTurn(Protocol):
     """What packing reads of a turn (rollout.trajectory.Turn, or the teacher API's)."""
@@ -275,22 +293,28 @@ def packed_batch(
     loss: LossKind,
     train_kl_on_invalid: bool = True,
     pad_id: int = 0,
+    dense_mask: bool = True,
 ) -> TurnBatch:
-    """One packed sequence per trajectory; the same span tokens as `per_turn_batch`."""
+    """One packed sequence per trajectory; the same span tokens as `per_turn_batch`.
+    dense_mask False: no [B, L, L] mask is built (the trunk-then-branches kernel reads
+    `packs` instead)."""
     packs = [pack_trajectory(t) for t in trajectories]
     width = max((len(p.ids) for p in packs), default=1)
     count = len(packs)
     input_ids = torch.full((count, width), pad_id, dtype=torch.long)
     positions = torch.zeros((count, width), dtype=torch.long)
     # padding attends to itself only, so no row of the mask is empty
-    mask = torch.eye(width, dtype=torch.bool).repeat(count, 1, 1)
+    mask = torch.eye(width if dense_mask else 1, dtype=torch.bool).repeat(count, 1, 1)
     rows: list[int] = []
     for row, pack in enumerate(packs):
         size = len(pack.ids)
         input_ids[row, :size] = torch.tensor(pack.ids)
         positions[row, :size] = torch.tensor(pack.positions)
-        mask[row, :size, :size] = attention_rule(pack)
+        if dense_mask:
+            mask[row, :size, :size] = attention_rule(pack)
         rows += [row * width + r for r in pack.span_rows]
     spans = _spans(trajectories, loss, train_kl_on_invalid)
     processed = sum(len(p.ids) for p in packs)
-    return _batch(spans, input_ids, mask[:, None], rows, count, processed, positions)
+    batch = _batch(spans, input_ids, mask[:, None], rows, count, processed, positions)
+    batch.packs = packs
+    return batch

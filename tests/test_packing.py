@@ -98,33 +98,35 @@ def _plain_span_logprobs(model: Any, trajectory: Trajectory) -> torch.Tensor:
     return torch.cat(values)
 
 
-def _trainer(model: Any, layout: str, recipe_loss: str = "sampled") -> LocalTrainer:
+def _trainer(model: Any, layout: str, kernel: str = "kv") -> LocalTrainer:
     config = TrainerConfig(
         temperature=TEMPERATURE,
-        sequence_layout=layout,
-        opd_loss=recipe_loss,  # type: ignore[arg-type]
+        sequence_layout=layout,  # type: ignore[arg-type]
+        packed_kernel=kernel,  # type: ignore[arg-type]
     )
     return LocalTrainer(model, config)
 
 
-@settings(max_examples=25)
+@pytest.mark.parametrize("kernel", ["kv", "mask"])
+@settings(max_examples=20)
 @given(
     st.sampled_from(["drop", "keep"]).flatmap(
         lambda policy: st.lists(trajectories(policy), min_size=1, max_size=3)
     )
 )
 def test_packed_span_logprobs_equal_plain_per_turn_forwards(
-    model: Any, batch: list[Trajectory]
+    model: Any, kernel: str, batch: list[Trajectory]
 ) -> None:
-    trainer = _trainer(model, "packed")
+    trainer = _trainer(model, "packed", kernel)
     with torch.no_grad():
-        packed = trainer.span_logprobs(packed_batch(batch, "kl"))
+        packed = trainer.span_logprobs(trainer.batch(batch, "kl"))
     expected = torch.cat([_plain_span_logprobs(model, t) for t in batch])
     assert packed.shape == expected.shape
     assert torch.allclose(packed, expected, atol=ATOL)
 
 
-@settings(max_examples=15)
+@pytest.mark.parametrize("kernel", ["kv", "mask"])
+@settings(max_examples=12)
 @given(
     st.sampled_from(["drop", "keep"]).flatmap(
         lambda policy: st.lists(trajectories(policy), min_size=1, max_size=3)
@@ -132,12 +134,12 @@ def test_packed_span_logprobs_equal_plain_per_turn_forwards(
     st.sampled_from(["opd", "sft", "rl"]),
 )
 def test_packed_losses_and_gradients_equal_per_turn(
-    model: Any, batch: list[Trajectory], recipe: str
+    model: Any, kernel: str, batch: list[Trajectory], recipe: str
 ) -> None:
     results = []
     for layout in ("packed", "per_turn"):
         copy_ = copy.deepcopy(model)
-        trainer = _trainer(copy_, layout)
+        trainer = _trainer(copy_, layout, kernel)
         loss, metrics = trainer.loss(batch, recipe)  # type: ignore[arg-type]
         loss.backward()
         grads = [p.grad.clone() for p in copy_.parameters() if p.grad is not None]

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
+from transformers import DynamicCache
 
 from rollout.trajectory import Trajectory
 from slime_ext.losses import (
@@ -29,6 +30,7 @@ from slime_ext.losses import (
 from slime_ext.turns import (
     Layout,
     LossKind,
+    PackedSequence,
     PackingUnsupported,
     TurnBatch,
     check_packable,
@@ -59,6 +61,11 @@ class TrainerConfig(BaseModel):
     """See AlgorithmConfig.opd_loss."""
     sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"
     """See AlgorithmConfig.sequence_layout."""
+    packed_kernel: Literal["kv", "mask"] = "kv"
+    """How a packed trajectory is evaluated: kv runs the trunk causally, then each branch
+    on the trunk's key/value prefix (gradients flow through it); mask runs one forward
+    with the [L, L] attention rule (dense on CPU: O(L^2) memory). bench/packing.py
+    measures both."""
 
 
 class MissingTeacherScores(ValueError):
@@ -97,16 +104,43 @@ class LocalTrainer:
         self.layout: Layout = _resolve_layout(model, self.config.sequence_layout)
 
     def batch(self, trajectories: Sequence[Trajectory], kind: LossKind) -> TurnBatch:
-        build = packed_batch if self.layout == "packed" else per_turn_batch
-        return build(trajectories, kind, self.config.train_on_invalid_turns, self.pad_id)
+        invalid = self.config.train_on_invalid_turns
+        if self.layout == "per_turn":
+            return per_turn_batch(trajectories, kind, invalid, self.pad_id)
+        dense = self.config.packed_kernel == "mask"
+        return packed_batch(trajectories, kind, invalid, self.pad_id, dense_mask=dense)
 
     def _hidden_rows(self, batch: TurnBatch) -> Tensor:
+        if batch.packs is not None and self.config.packed_kernel == "kv":
+            rows = [self._trunk_then_branches(p)[torch.tensor(p.span_rows)] for p in batch.packs]
+            return torch.cat(rows)
         hidden = self.model.base_model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
         ).last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])[batch.span_rows]
+
+    def _trunk_then_branches(self, pack: PackedSequence) -> Tensor:
+        """Hidden states of every packed position: the trunk in one causal pass, then each
+        branch on a copy of the trunk's key/value prefix it may see."""
+        base = self.model.base_model
+        ids = torch.tensor(pack.ids)[None]
+        trunk = base(input_ids=ids[:, : pack.trunk_len], use_cache=True)
+        hidden = [trunk.last_hidden_state[0]]
+        layers = trunk.past_key_values.layers
+        for start, end, visible in pack.branches():
+            prefix = DynamicCache(config=self.model.config)
+            for index, layer in enumerate(layers):
+                prefix.update(layer.keys[:, :, :visible], layer.values[:, :, :visible], index)
+            branch = base(
+                input_ids=ids[:, start:end],
+                position_ids=torch.tensor(pack.positions[start:end])[None],
+                cache=prefix,
+                use_cache=True,
+            )
+            hidden.append(branch.last_hidden_state[0])
+        return torch.cat(hidden)
 
     def span_logprobs(self, batch: TurnBatch) -> Tensor:
         """log p_student(span token) at the configured temperature, for every span token."""
