@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -274,6 +274,33 @@ def attention_rule(packed: PackedSequence) -> Tensor:
     trunk_key = (branch[None, :] == -1) & (index[None, :] < visible[:, None])
     same_branch = (branch[None, :] == branch[:, None]) & (branch[None, :] != -1)
     return causal & (trunk_key | same_branch)
+
+
+def trunk_then_branches(model: Any, pack: PackedSequence) -> Tensor:
+    """Hidden states [len(pack.ids), H] of every packed position of a HF causal LM: the
+    trunk in one causal pass, then each branch on a copy of the trunk's key/value prefix
+    it may see (gradients flow through the prefix into the trunk). Exact for
+    full-attention models, and it never builds an [L, L] mask."""
+    from transformers import DynamicCache
+
+    base = model.base_model
+    device = next(model.parameters()).device
+    ids = torch.tensor(pack.ids, device=device)[None]
+    trunk = base(input_ids=ids[:, : pack.trunk_len], use_cache=True)
+    hidden = [trunk.last_hidden_state[0]]
+    layers = trunk.past_key_values.layers
+    for start, end, visible in pack.branches():
+        prefix = DynamicCache(config=model.config)
+        for index, layer in enumerate(layers):
+            prefix.update(layer.keys[:, :, :visible], layer.values[:, :, :visible], index)
+        branch = base(
+            input_ids=ids[:, start:end],
+            position_ids=torch.tensor(pack.positions[start:end], device=device)[None],
+            cache=prefix,
+            use_cache=True,
+        )
+        hidden.append(branch.last_hidden_state[0])
+    return torch.cat(hidden)
 
 
 def check_packable(model: object) -> None:

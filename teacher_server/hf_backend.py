@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from slime_ext.turns import attention_rule, pack
+from slime_ext.turns import pack, trunk_then_branches
 from slime_ext.vocab_parallel import VocabShard, log_softmax
 from teacher_server.api import (
     ReloadResult,
@@ -132,17 +132,13 @@ class HFScorer:
                 "packed attention rule: score per turn with a session_id"
             )
         packed = pack(request.trunk_ids, request.turns)
-        mask = attention_rule(packed)[None, None].to(self.device)
-        logits = self.model(
-            input_ids=torch.tensor([packed.ids], device=self.device),
-            attention_mask=mask,
-            position_ids=torch.tensor([packed.positions], device=self.device),
-            use_cache=False,
-        ).logits[0]
+        hidden = trunk_then_branches(self.model, packed)
+        rows_all = hidden[torch.tensor(packed.span_rows, device=hidden.device)]
+        logits = self.model.get_output_embeddings()(rows_all)
         self.metrics.add_tokens(computed=len(packed.ids))
         results, offset = [], 0
         for turn in request.turns:
-            rows = logits[torch.tensor(packed.span_rows[offset : offset + len(turn.span_ids)])]
+            rows = logits[offset : offset + len(turn.span_ids)]
             offset += len(turn.span_ids)
             item = ScoreItem(
                 input_ids=[0, *turn.span_ids],

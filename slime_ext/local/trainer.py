@@ -16,7 +16,6 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
-from transformers import DynamicCache
 
 from rollout.trajectory import Trajectory
 from slime_ext.losses import (
@@ -30,12 +29,12 @@ from slime_ext.losses import (
 from slime_ext.turns import (
     Layout,
     LossKind,
-    PackedSequence,
     PackingUnsupported,
     TurnBatch,
     check_packable,
     packed_batch,
     per_turn_batch,
+    trunk_then_branches,
 )
 from slime_ext.vocab_parallel import fused_lm_head, token_logprobs
 
@@ -112,7 +111,9 @@ class LocalTrainer:
 
     def _hidden_rows(self, batch: TurnBatch) -> Tensor:
         if batch.packs is not None and self.config.packed_kernel == "kv":
-            rows = [self._trunk_then_branches(p)[torch.tensor(p.span_rows)] for p in batch.packs]
+            rows = [
+                trunk_then_branches(self.model, p)[torch.tensor(p.span_rows)] for p in batch.packs
+            ]
             return torch.cat(rows)
         hidden = self.model.base_model(
             input_ids=batch.input_ids,
@@ -120,27 +121,6 @@ class LocalTrainer:
             position_ids=batch.position_ids,
         ).last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])[batch.span_rows]
-
-    def _trunk_then_branches(self, pack: PackedSequence) -> Tensor:
-        """Hidden states of every packed position: the trunk in one causal pass, then each
-        branch on a copy of the trunk's key/value prefix it may see."""
-        base = self.model.base_model
-        ids = torch.tensor(pack.ids)[None]
-        trunk = base(input_ids=ids[:, : pack.trunk_len], use_cache=True)
-        hidden = [trunk.last_hidden_state[0]]
-        layers = trunk.past_key_values.layers
-        for start, end, visible in pack.branches():
-            prefix = DynamicCache(config=self.model.config)
-            for index, layer in enumerate(layers):
-                prefix.update(layer.keys[:, :, :visible], layer.values[:, :, :visible], index)
-            branch = base(
-                input_ids=ids[:, start:end],
-                position_ids=torch.tensor(pack.positions[start:end])[None],
-                cache=prefix,
-                use_cache=True,
-            )
-            hidden.append(branch.last_hidden_state[0])
-        return torch.cat(hidden)
 
     def span_logprobs(self, batch: TurnBatch) -> Tensor:
         """log p_student(span token) at the configured temperature, for every span token."""
