@@ -276,11 +276,13 @@ def attention_rule(packed: PackedSequence) -> Tensor:
     return causal & (trunk_key | same_branch)
 
 
-def trunk_then_branches(model: Any, pack: PackedSequence) -> Tensor:
+def trunk_then_branches(model: Any, pack: PackedSequence, group: int = 8) -> Tensor:
     """Hidden states [len(pack.ids), H] of every packed position of a HF causal LM: the
-    trunk in one causal pass, then each branch on a copy of the trunk's key/value prefix
-    it may see (gradients flow through the prefix into the trunk). Exact for
-    full-attention models, and it never builds an [L, L] mask."""
+    trunk in one causal pass, then the branches, `group` at a time, on a copy of the
+    trunk's key/value prefix the group needs, each branch masked to its own context and
+    itself (gradients flow through the prefix into the trunk). Exact for full-attention
+    models; the mask is [branch tokens of a group x (prefix + those tokens)], never
+    [L, L]."""
     from transformers import DynamicCache
 
     base = model.base_model
@@ -289,17 +291,29 @@ def trunk_then_branches(model: Any, pack: PackedSequence) -> Tensor:
     trunk = base(input_ids=ids[:, : pack.trunk_len], use_cache=True)
     hidden = [trunk.last_hidden_state[0]]
     layers = trunk.past_key_values.layers
-    for start, end, visible in pack.branches():
+    branches = pack.branches()
+    for first in range(0, len(branches), group):
+        chosen = branches[first : first + group]
+        prefix_len = max(visible for _, _, visible in chosen)
+        start, end = chosen[0][0], chosen[-1][1]
         prefix = DynamicCache(config=model.config)
         for index, layer in enumerate(layers):
-            prefix.update(layer.keys[:, :, :visible], layer.values[:, :, :visible], index)
-        branch = base(
+            keys, values = layer.keys[:, :, :prefix_len], layer.values[:, :, :prefix_len]
+            prefix.update(keys, values, index)
+        owner = torch.tensor(pack.branch[start:end], device=device)
+        visible = torch.tensor(pack.visible_trunk[start:end], device=device)
+        queries = torch.arange(end - start, device=device)
+        sees_prefix = torch.arange(prefix_len, device=device)[None, :] < visible[:, None]
+        sees_group = (owner[None, :] == owner[:, None]) & (queries[None, :] <= queries[:, None])
+        mask = torch.cat([sees_prefix, sees_group], dim=1)[None, None]
+        out = base(
             input_ids=ids[:, start:end],
             position_ids=torch.tensor(pack.positions[start:end], device=device)[None],
+            attention_mask=mask,
             cache=prefix,
             use_cache=True,
         )
-        hidden.append(branch.last_hidden_state[0])
+        hidden.append(out.last_hidden_state[0])
     return torch.cat(hidden)
 
 

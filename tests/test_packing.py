@@ -26,6 +26,7 @@ from slime_ext.turns import (
     pack_trajectory,
     packed_batch,
     per_turn_batch,
+    trunk_then_branches,
 )
 
 ATOL = 1e-5
@@ -202,3 +203,24 @@ def test_packing_cuts_processed_tokens(model: Any) -> None:
     lower_bound = turns[-1].context_len + sum(len(t.span_ids) for t in turns)
     assert packed.num_processed_tokens == lower_bound
     assert per_turn.num_processed_tokens > 2.5 * packed.num_processed_tokens
+
+
+def test_branch_groups_of_any_size_give_the_same_hidden_states(model: Any) -> None:
+    turns, trunk = [], list(range(10, 25))
+    for k in range(9):
+        span = [100 + 7 * k + i for i in range(5)]
+        turns.append(Turn(context_len=len(trunk), span_ids=span, think_len=2))
+        trunk = trunk + span[2:] + [300 + k, 301 + k]
+    trajectory = Trajectory(
+        trajectory_id="t",
+        task=Task(task_id="t", kind="synthetic", prompt="p"),
+        trunk_ids=trunk,
+        turns=turns,
+        status=TrajectoryStatus.COMPLETED,
+        status_reason="done",
+    )
+    packed = pack_trajectory(trajectory)
+    with torch.no_grad():
+        one = trunk_then_branches(model, packed, group=1)
+        for size in (2, 4, 9):
+            assert torch.allclose(trunk_then_branches(model, packed, group=size), one, atol=ATOL)
