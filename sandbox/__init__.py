@@ -4,6 +4,8 @@
 `PythonWorker` keeps one python interpreter per trajectory for tool-integrated reasoning;
 `DockerSandbox` runs them in a hardened container (`sandbox.docker.reap` removes leftovers);
 `E2BSandbox` in an E2B cloud sandbox (`sandbox.e2b.reap` kills leftovers).
+`Fleet` places sandboxes for many trajectories over hosts (`sandbox.fleet_ray.RayHost`
+when the hosts are Ray actors on other machines).
 """
 
 from sandbox.base import (
@@ -19,6 +21,15 @@ from sandbox.base import (
 )
 from sandbox.docker import DockerSandbox, DockerSandboxConfig
 from sandbox.e2b import E2BSandbox, E2BSandboxConfig
+from sandbox.fleet import (
+    Fleet,
+    FleetConfig,
+    FleetDeadlineError,
+    FleetSandbox,
+    HostConfig,
+    InProcessHost,
+    SandboxHost,
+)
 from sandbox.local import LocalSandbox, LocalSandboxConfig
 from sandbox.python_worker import PythonWorker, PythonWorkerConfig, WorkerExecResult
 
@@ -28,6 +39,12 @@ __all__ = [
     "E2BSandbox",
     "E2BSandboxConfig",
     "ExecResult",
+    "Fleet",
+    "FleetConfig",
+    "FleetDeadlineError",
+    "FleetSandbox",
+    "HostConfig",
+    "InProcessHost",
     "LocalSandbox",
     "LocalSandboxConfig",
     "PythonWorker",
@@ -37,6 +54,7 @@ __all__ = [
     "SandboxDiedError",
     "SandboxError",
     "SandboxFileError",
+    "SandboxHost",
     "SandboxResourceError",
     "SandboxStartError",
     "SandboxUnavailableError",
