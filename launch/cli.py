@@ -106,7 +106,7 @@ def factory_build(
 @app.command("demo")
 def demo(
     out: Annotated[Path, typer.Option(help="Run directory (replaced).")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(help="OPD steps.")] = 30,
+    steps: Annotated[int, typer.Option(help="OPD steps.")] = 24,
     n_heldout: Annotated[int, typer.Option(help="Held-out problems evaluated.")] = 300,
 ) -> None:
     """The one-machine OPD demo: evaluate the bundled student, run per-turn OPD against the

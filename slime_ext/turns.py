@@ -256,6 +256,11 @@ def pack(trunk_ids: Sequence[int], turns: Sequence[PackableTurn]) -> PackedSeque
     return PackedSequence(ids, positions, visible, branch, rows)
 
 
+def pack_length(trajectory: Trajectory) -> int:
+    """Tokens of the trajectory's packed sequence."""
+    return len(pack_trajectory(trajectory).ids)
+
+
 def _span_in_trunk(trunk_ids: Sequence[int], turn: PackableTurn) -> bool:
     if turn.context_suffix_ids:
         return False

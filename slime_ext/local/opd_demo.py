@@ -56,7 +56,7 @@ async def _accuracy(model_dir: Path, tasks: list[Any]) -> list[float]:
 
 def run_opd_demo(
     out: Path = Path("runs/demo"),
-    steps: int = 30,
+    steps: int = 24,
     n_heldout: int = 300,
     console: Console | None = None,
     fresh: bool = True,
