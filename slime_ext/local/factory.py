@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from importlib import resources
 from pathlib import Path
@@ -235,7 +236,10 @@ def materialize(name: str, cache_dir: str | Path, seed: int = 0) -> Path:
         return path
     preset = name.removeprefix(FACTORY_PREFIX)
     get_preset(preset)
-    out = Path(cache_dir) / f"{preset}-seed{seed}"
+    # the tokenizer is trained on the packaged prompts: a cached build from other prompts
+    # would tokenize differently, so the cache key carries the corpus's digest
+    corpus = hashlib.sha256("\n".join(_training_corpus()).encode()).hexdigest()[:10]
+    out = Path(cache_dir) / f"{preset}-seed{seed}-{corpus}"
     if not (out / "config.json").is_file():
         build_checkpoint(preset, out, seed=seed)
     return out
