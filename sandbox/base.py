@@ -13,7 +13,7 @@ trainer learns from the other (DESIGN.md invariant 5):
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, Self, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,6 +78,34 @@ class SandboxClosedError(SandboxError):
 class SandboxFileError(SandboxError):
     """A file operation was refused: outside the working directory, through a symlink,
     not a regular file, or larger than the configured limit."""
+
+
+class StartsAndCloses:
+    """`async with` for sandbox backends: start() on entry (closed again at once if the
+    start fails, since __aexit__ will not run: the uid, directory or container is freed
+    now), close() on exit."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
 
 
 @runtime_checkable

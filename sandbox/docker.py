@@ -45,7 +45,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import docker.errors
@@ -63,6 +62,7 @@ from sandbox.base import (
     SandboxResourceError,
     SandboxStartError,
     SandboxUnavailableError,
+    StartsAndCloses,
 )
 from sandbox.files import _components as workdir_components
 from sandbox.jail import limit_from_exit
@@ -272,7 +272,7 @@ class _OutputReader(threading.Thread):
                 self._stream.close()
 
 
-class DockerSandbox:
+class DockerSandbox(StartsAndCloses):
     """A hardened container; commands run with `shell -c` in the working directory."""
 
     def __init__(
@@ -480,22 +480,6 @@ class DockerSandbox:
             if self._own_client:
                 self._client.close()
                 self._client = None
-
-    async def __aenter__(self) -> DockerSandbox:
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     # -- commands --------------------------------------------------------------------------
 

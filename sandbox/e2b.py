@@ -61,7 +61,6 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -76,6 +75,7 @@ from sandbox.base import (
     SandboxResourceError,
     SandboxStartError,
     SandboxUnavailableError,
+    StartsAndCloses,
 )
 from sandbox.files import _components as workdir_components
 from sandbox.jail import limit_from_exit
@@ -340,7 +340,7 @@ async def reap(
     return killed
 
 
-class E2BSandbox:
+class E2BSandbox(StartsAndCloses):
     """An E2B cloud sandbox; commands run with `bash -l -c` in the working directory."""
 
     def __init__(
@@ -458,22 +458,6 @@ class E2BSandbox:
         async with self._start_lock:
             self._closed = True
             await self._release()
-
-    async def __aenter__(self) -> E2BSandbox:
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def keep_alive(self, busy_s: float) -> None:
         """Extend the lifetime when what is left would not cover `busy_s` plus the

@@ -68,6 +68,7 @@ from sandbox.base import (
     SandboxResourceError,
     SandboxStartError,
     SandboxUnavailableError,
+    StartsAndCloses,
 )
 from sandbox.docker import OWNER_LABEL, DockerSandbox, DockerSandboxConfig, docker_client, reap
 from sandbox.local import LocalSandbox, LocalSandboxConfig
@@ -1116,7 +1117,7 @@ class Fleet:
         }
 
 
-class FleetSandbox:
+class FleetSandbox(StartsAndCloses):
     """A sandbox on one of the fleet's hosts (`Sandbox`); `start()` places it on one (as
     `Fleet.acquire` does at once). No call is retried: after an infrastructure failure
     or a missed deadline the sandbox refuses further calls with SandboxDiedError."""
@@ -1224,22 +1225,6 @@ class FleetSandbox:
 
     def __repr__(self) -> str:
         return f"FleetSandbox({self.sandbox_id} on {self.host_name})"
-
-    async def __aenter__(self) -> FleetSandbox:
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
 
 def _left(deadline: float) -> float:

@@ -32,7 +32,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +45,7 @@ from sandbox.base import (
     SandboxResourceError,
     SandboxStartError,
     SandboxUnavailableError,
+    StartsAndCloses,
 )
 from sandbox.jail import Isolation, Jail, Limits, find_bwrap, limit_from_exit, probe_strict
 from sandbox.output import HeadTailBuffer, OutputBudget, pump
@@ -121,7 +121,7 @@ def resolve_isolation(
     return "basic", None
 
 
-class LocalSandbox:
+class LocalSandbox(StartsAndCloses):
     """A private working directory and uid on this host; commands run as `bash -c`."""
 
     def __init__(self, config: LocalSandboxConfig | None = None) -> None:
@@ -366,22 +366,6 @@ class LocalSandbox:
             if self._lease is not None:
                 await asyncio.to_thread(leases.release, self._lease)
                 self._lease = None
-
-    async def __aenter__(self) -> LocalSandbox:
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()  # __aexit__ will not run: release the uid and directory now
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
 
 def _read_all(fd: int) -> bytes:

@@ -17,12 +17,11 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandbox.base import ExecResult, LimitName, SandboxDiedError, SandboxStartError
+from sandbox.base import ExecResult, LimitName, SandboxDiedError, SandboxStartError, StartsAndCloses
 from sandbox.jail import limit_from_exit
 from sandbox.local import LocalSandbox, LocalSandboxConfig, warn_once
 from sandbox.output import READ_CHUNK_BYTES, HeadTailBuffer, OutputBudget
@@ -138,7 +137,7 @@ async def _read_stream(stream: asyncio.StreamReader, which: Stream, cell: _Cell)
     cell.close()
 
 
-class PythonWorker:
+class PythonWorker(StartsAndCloses):
     """Runs python cells in one persistent interpreter inside a LocalSandbox."""
 
     def __init__(self, config: PythonWorkerConfig | None = None) -> None:
@@ -306,22 +305,6 @@ class PythonWorker:
         for task in self._readers:
             task.cancel()
         self._proc = None
-
-    async def __aenter__(self) -> PythonWorker:
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()  # __aexit__ will not run: release the uid and directory now
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
 
 def _death_reason(killed_for: LimitName | None, exit_code: int, timeout_s: float) -> str:
