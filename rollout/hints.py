@@ -157,6 +157,20 @@ class CriticHint:
         await self.http.aclose()
 
 
+def hint_source(
+    kind: str, critic_url: str | None = None, critic_model: str = "critic"
+) -> HintSource | None:
+    """The source a job's teacher.hint names: reference, critic (an OpenAI-compatible
+    endpoint) or none (the no-hint control)."""
+    if kind == "none":
+        return None
+    if kind == "critic":
+        if not critic_url:
+            raise ValueError("hint 'critic' needs critic_url")
+        return CriticHint(critic_url, critic_model)
+    return ReferenceHint()
+
+
 @dataclass
 class HintStats:
     hints: int = 0

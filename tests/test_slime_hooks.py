@@ -300,3 +300,49 @@ def test_real_slime_cp_slicing_matches_ours(monkeypatch: pytest.MonkeyPatch) -> 
                     expected = cp_utils.slice_log_prob_with_cp(values, total, response)
                     [ours] = response_slices([total], [response], cp_rank, cp_size)
                     assert [float(i) for i in ours.response_index] == list(expected)
+
+
+def test_opsd_generate_hook_scores_with_a_hinted_snapshot(
+    factory_tokenizer: Any, factory_dir: Path, tmp_path: Path
+) -> None:
+    """Recipe opsd on slime: the teacher service is the student's own snapshot; the hook
+    puts the reference hint into the teacher's contexts only."""
+    from rollout.tasks.arithmetic import make_tasks
+    from teacher_server.hf_backend import HFBackend as Backend
+
+    metrics = ServerMetrics()
+    backend = Backend(factory_dir, metrics, max_context=4096)
+    student = backend.scorer.model
+    task = make_tasks(1, "train", seed=3)[0]
+    with (
+        serve_in_thread(create_standin(student, context_length=4096)) as router,
+        serve_in_thread(create_app(backend, metrics)) as teacher_url,
+    ):
+        host, port = router.removeprefix("http://").split(":")
+        job = tmp_path / "job.yaml"
+        job.write_text(
+            f"model:\n  tokenizer: {factory_dir}\n"
+            "rollout:\n  harness: tir\n  max_turns: 2\n  max_new_tokens: 8\n"
+            f"teacher:\n  kind: self\n  url: {teacher_url}\n"
+            "algorithm:\n  recipe: opsd\n"
+        )
+        args = slime.slime_args(
+            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
+        )
+        base = slime.Sample(
+            index=9, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
+        )
+
+        async def rollout() -> Any:
+            return await slime.generate_and_rm(args, base, {}, generate, reward)
+
+        samples = asyncio.run(rollout())
+    assert samples and all(len(s.teacher_log_probs) == s.response_length for s in samples)
+    hint = factory_tokenizer.decode(samples[0].tokens)
+    assert "Hint" not in hint  # the student's context carries no hint
+    differs = [
+        abs(a - b) > 1e-4
+        for s in samples
+        for a, b in zip(s.rollout_log_probs, s.teacher_log_probs, strict=True)
+    ]
+    assert any(differs)  # the hinted snapshot scores the same tokens differently

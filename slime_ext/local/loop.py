@@ -32,7 +32,7 @@ from launch.config import JobConfig
 from launch.runtime import runner_config
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRConfig, TIRHarness
-from rollout.hints import CriticHint, HintedTeacherContext, HintSource, ReferenceHint
+from rollout.hints import HintedTeacherContext, hint_source
 from rollout.policy import HFPolicy
 from rollout.runner import Runner, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
@@ -233,11 +233,8 @@ class LocalRun:
                 if teacher_url is None:
                     raise ValueError(f"recipe {recipe} needs a teacher service URL")
                 teacher = await stack.enter_async_context(TeacherClient(teacher_url, api_key))
-            if recipe == "opsd" and job.teacher.hint != "none":  # the snapshot sees a hint
-                source: HintSource = ReferenceHint()
-                if job.teacher.hint == "critic":
-                    assert job.teacher.critic_url is not None
-                    source = CriticHint(job.teacher.critic_url, job.teacher.critic_model)
+            source = hint_source(job.teacher.hint, job.teacher.critic_url, job.teacher.critic_model)
+            if recipe == "opsd" and source is not None:  # the snapshot sees a hint
                 self.hints = HintedTeacherContext(renderer, harness.initial_messages, source)
             runner = Runner(
                 harness, self.policy, renderer, config, teacher=teacher, teacher_context=self.hints

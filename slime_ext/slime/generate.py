@@ -20,6 +20,7 @@ from typing import Any
 from launch.config import JobConfig
 from launch.runtime import TEACHER_RECIPES, harness_for, runner_config
 from rollout.chat import ChatRenderer
+from rollout.hints import HintedTeacherContext, hint_source
 from rollout.policy import SGLangPolicy
 from rollout.runner import Runner
 from rollout.trajectory import Task
@@ -34,6 +35,8 @@ class HookState:
 
     job: JobConfig
     runner: Runner
+    hints: HintedTeacherContext | None = None
+    """OPSD: the self-teacher's hinted contexts (the student never sees the hint)."""
 
 
 async def generate(
@@ -48,6 +51,8 @@ async def generate(
     )
     task = task_from_sample(sample, job.rollout.harness)
     # slime's index is unique per rollout: it names the trajectory (and teacher session)
+    if state.hints is not None:
+        await state.hints.prepare([task])
     trajectory = await state.runner.run_one(task, int(sample.index or 0))
     recipe = job.algorithm.recipe
     samples = to_samples(
@@ -113,4 +118,11 @@ def _state(path: str, router: str, checkpoint: str | None, loop_id: int) -> Hook
             )
         api_key = os.environ.get(job.teacher.api_key_env) if job.teacher.api_key_env else None
         teacher = TeacherClient(job.teacher.url, api_key, timeout_s=job.teacher.request_timeout_s)
-    return HookState(job, Runner(harness, policy, renderer, runner_config(job), teacher=teacher))
+    hints = None
+    source = hint_source(job.teacher.hint, job.teacher.critic_url, job.teacher.critic_model)
+    if job.algorithm.recipe == "opsd" and source is not None:
+        hints = HintedTeacherContext(renderer, harness.initial_messages, source)
+    runner = Runner(
+        harness, policy, renderer, runner_config(job), teacher=teacher, teacher_context=hints
+    )
+    return HookState(job, runner, hints)
