@@ -5,11 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.config import ConfigError, JobConfig
-
-
-def vocab_digest(identity: str) -> str:
-    """The content part of a tokenizer identity (`name@digest`): names differ across copies."""
-    return identity.rsplit("@", 1)[-1]
+from teacher_server.backend import tokenizer_identity, vocab_digest
 
 
 def local_tokenizer_identity(path: str) -> str | None:
@@ -20,8 +16,6 @@ def local_tokenizer_identity(path: str) -> str | None:
     ):
         return None
     from transformers import AutoTokenizer
-
-    from teacher_server.backend import tokenizer_identity
 
     return tokenizer_identity(AutoTokenizer.from_pretrained(path))
 

@@ -68,7 +68,8 @@ class TurnBatch:
     position_ids: Tensor | None = None
     """[B, L] explicit positions (packed: a branch continues its context's positions)."""
     packs: list[PackedSequence] | None = None
-    """Packed: each trajectory's layout, for kernels that evaluate trunk then branches."""
+    """Packed without a dense mask: each trajectory's layout, for the trunk-then-branches
+    kernel."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -256,11 +257,6 @@ def pack(trunk_ids: Sequence[int], turns: Sequence[PackableTurn]) -> PackedSeque
     return PackedSequence(ids, positions, visible, branch, rows)
 
 
-def pack_length(trajectory: Trajectory) -> int:
-    """Tokens of the trajectory's packed sequence."""
-    return len(pack_trajectory(trajectory).ids)
-
-
 def _span_in_trunk(trunk_ids: Sequence[int], turn: PackableTurn) -> bool:
     if turn.context_suffix_ids:
         return False
@@ -339,13 +335,15 @@ def packed_batch(
     loss: LossKind,
     train_kl_on_invalid: bool = True,
     pad_id: int = 0,
-    dense_mask: bool = True,
+    dense_mask_up_to: int | None = None,
 ) -> TurnBatch:
     """One packed sequence per trajectory; the same span tokens as `per_turn_batch`.
-    dense_mask False: no [B, L, L] mask is built (the trunk-then-branches kernel reads
-    `packs` instead)."""
+    The [B, L, L] attention mask is built when the longest packed sequence has at most
+    `dense_mask_up_to` tokens (None: always; 0: never); otherwise the batch carries
+    `packs` for the trunk-then-branches kernel instead."""
     packs = [pack_trajectory(t) for t in trajectories]
     width = max((len(p.ids) for p in packs), default=1)
+    dense_mask = dense_mask_up_to is None or width <= dense_mask_up_to
     count = len(packs)
     input_ids = torch.full((count, width), pad_id, dtype=torch.long)
     positions = torch.zeros((count, width), dtype=torch.long)
@@ -362,5 +360,5 @@ def packed_batch(
     spans = _spans(trajectories, loss, train_kl_on_invalid)
     processed = sum(len(p.ids) for p in packs)
     batch = _batch(spans, input_ids, mask[:, None], rows, count, processed, positions)
-    batch.packs = packs
+    batch.packs = None if dense_mask else packs
     return batch

@@ -112,6 +112,11 @@ def check_trajectory(request: TrajectoryScoreRequest, info: ServerInfo) -> None:
         )
 
 
+def vocab_digest(identity: str) -> str:
+    """The content part of a tokenizer identity (`name@digest`): names differ across copies."""
+    return identity.rsplit("@", 1)[-1]
+
+
 def tokenizer_identity(tokenizer: Any) -> str:
     """Name and vocabulary hash: two tokenizers with the same identity map text to the same
     ids, which teacher and student must share (or the teacher scores other tokens)."""

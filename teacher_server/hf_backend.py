@@ -34,6 +34,7 @@ from teacher_server.backend import (
     check_items,
     check_trajectory,
     tokenizer_identity,
+    vocab_digest,
 )
 from teacher_server.metrics import ServerMetrics
 from teacher_server.session_cache import SessionCache, SessionState, rewind, snapshot
@@ -313,7 +314,7 @@ class HFBackend:
     async def reload(self, model_dir: str) -> ReloadResult:
         try:
             identity = tokenizer_identity(AutoTokenizer.from_pretrained(model_dir))
-            if identity.rsplit("@", 1)[-1] != self._info.tokenizer.rsplit("@", 1)[-1]:
+            if vocab_digest(identity) != vocab_digest(self._info.tokenizer):
                 raise BadScoreRequest(
                     f"{model_dir} has another tokenizer ({identity}) than the served model "
                     f"({self._info.tokenizer}): the teacher would score other tokens"

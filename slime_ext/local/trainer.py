@@ -32,7 +32,6 @@ from slime_ext.turns import (
     PackingUnsupported,
     TurnBatch,
     check_packable,
-    pack_length,
     packed_batch,
     per_turn_batch,
     trunk_then_branches,
@@ -113,14 +112,8 @@ class LocalTrainer:
         invalid = self.config.train_on_invalid_turns
         if self.layout == "per_turn":
             return per_turn_batch(trajectories, kind, invalid, self.pad_id)
-        kernel = self.config.packed_kernel
-        if kernel == "auto":
-            longest = max((pack_length(t) for t in trajectories), default=0)
-            kernel = "mask" if longest <= MASK_MAX_TOKENS else "kv"
-        batch = packed_batch(trajectories, kind, invalid, self.pad_id, kernel == "mask")
-        if kernel == "mask":
-            batch.packs = None
-        return batch
+        limit = {"mask": None, "kv": 0, "auto": MASK_MAX_TOKENS}[self.config.packed_kernel]
+        return packed_batch(trajectories, kind, invalid, self.pad_id, dense_mask_up_to=limit)
 
     def _hidden_rows(self, batch: TurnBatch) -> Tensor:
         if batch.packs is not None:
