@@ -76,6 +76,9 @@ class SimulatedEpisode:
     async def reward(self) -> float:
         return 0.0
 
+    def details(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
     async def close(self) -> None:
         pass
 

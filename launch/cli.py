@@ -16,6 +16,7 @@ from launch.dashboard import (
     MissingWandbKey,
     dashboard,
 )
+from launch.eval_cli import compare, eval_app, sweep_app
 from launch.ssd_cli import ssd_app
 
 console = Console()
@@ -32,6 +33,9 @@ factory_app = typer.Typer(help="Small local models for tests and demos.", no_arg
 app.add_typer(config_app, name="config")
 app.add_typer(factory_app, name="factory")
 app.add_typer(ssd_app, name="ssd")
+app.add_typer(eval_app, name="eval")
+app.add_typer(sweep_app, name="sweep")
+app.command("compare")(compare)
 
 ConfigPath = Annotated[Path, typer.Argument(help="A job config YAML file.")]
 Overrides = Annotated[

@@ -99,7 +99,24 @@ class Runner:
         show_progress: bool = False,
     ) -> list[Trajectory]:
         """Every (task, sample) pair once; results in input order, appended to out_jsonl."""
+
+        def save(_position: int, trajectory: Trajectory) -> None:
+            if out_jsonl is not None:
+                write_jsonl(out_jsonl, [trajectory])
+
         jobs = [(task, index) for task in tasks for index in range(samples_per_task)]
+        return await self.run_jobs(jobs, save, show_progress)
+
+    async def run_jobs(
+        self,
+        jobs: Sequence[tuple[Task, int]],
+        on_done: Callable[[int, Trajectory], None] | None = None,
+        show_progress: bool = False,
+        description: str = "rollouts",
+    ) -> list[Trajectory]:
+        """Each (task, sample index) job once, `concurrency` at a time; `on_done(position,
+        trajectory)` as each finishes (to save it before the rest are done); results in
+        job order."""
         gate = asyncio.Semaphore(self.config.concurrency)
         with Progress(
             "[progress.description]{task.description}",
@@ -109,17 +126,21 @@ class Runner:
             disable=not show_progress,
             transient=True,
         ) as progress:
-            bar = progress.add_task("rollouts", total=len(jobs))
+            bar = progress.add_task(description, total=len(jobs))
 
-            async def one(task: Task, index: int) -> Trajectory:
+            async def one(position: int, task: Task, index: int) -> Trajectory:
                 async with gate:
                     trajectory = await self.run_one(task, index)
-                if out_jsonl is not None:
-                    write_jsonl(out_jsonl, [trajectory])
+                if on_done is not None:
+                    on_done(position, trajectory)
                 progress.advance(bar)
                 return trajectory
 
-            return list(await asyncio.gather(*(one(task, index) for task, index in jobs)))
+            return list(
+                await asyncio.gather(
+                    *(one(position, task, index) for position, (task, index) in enumerate(jobs))
+                )
+            )
 
     async def run_one(self, task: Task, sample_index: int = 0) -> Trajectory:
         trajectory_id = f"{task.task_id}#{sample_index}"
@@ -143,7 +164,10 @@ class Runner:
             await asyncio.gather(*scoring, return_exceptions=True)
             for episode in episodes:
                 await episode.close()
-        trajectory = builder.finish(status, reason, reward)
+        details = episodes[0].details() if episodes else None
+        trajectory = builder.finish(
+            status, reason, reward, {"episode": details} if details is not None else None
+        )
         trainable = trajectory.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
         if self.config.teacher_scoring == "trajectory" and trajectory.turns and trainable:
             try:

@@ -143,6 +143,9 @@ class FlakyEpisode:
     async def reward(self) -> float:
         return 1.0
 
+    def details(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
     async def close(self) -> None:
         pass
 

@@ -137,6 +137,13 @@ def test_scripted_policy_solves_every_family(
     assert "passed" in run.observation(3)
     assert run.episode.submission is not None
     assert run.episode.submission.startswith(f"diff --git a/{_patched_module(task)}")
+    assert run.episode.details() == {
+        "answer": run.episode.submission,
+        "tool_calls": 4,
+        "reason": "resolved",
+        "resolved": True,
+        "patch_applied": True,
+    }
 
 
 @pytest.mark.timeout(60)
@@ -195,7 +202,8 @@ def test_patch_that_edits_tests_scores_zero_even_when_it_fixes_the_bug(
 def test_noop_submission_scores_zero_without_a_grading_sandbox(factory_tokenizer: Any) -> None:
     created: list[Sandbox] = []
 
-    def factory() -> Sandbox:
+    def factory(image: str | None) -> Sandbox:
+        assert image is None  # mini-SWE tasks have no image
         created.append(LocalSandbox(SWEHarness().config.sandbox))
         return created[-1]
 

@@ -41,6 +41,12 @@ class Episode(Protocol):
         """Grade the finished (or truncated) episode."""
         ...
 
+    def details(self) -> dict[str, Any]:
+        """What happened, as JSON for the trajectory's metadata["episode"] (evaluation
+        records read it): `answer` (a final answer, a submitted patch), `tool_calls`, and
+        after `reward` the grade's `reason` and anything else the harness keeps."""
+        ...
+
     async def close(self) -> None: ...
 
 

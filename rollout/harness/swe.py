@@ -8,12 +8,17 @@
   repository's `git diff` against the base commit, new files included, captured then.
 - Step limit: every turn counts (invalid ones too); after `step_limit` turns without a
   submit the episode ends unsubmitted, and an unsubmitted episode's reward is 0.
-- Reward: the submission graded in a fresh sandbox by `rollout.rewards.swe.grade_patch`
-  (apply it, refuse it if it touches protected paths, run the task's eval script, grade
-  the log with swebench). The grade is kept on the episode (`episode.grade`).
+- Reward: the submission graded in a fresh sandbox by the task's family (apply it, run
+  the tests, judge them: rollout.rewards). The grade is kept on the episode
+  (`episode.grade`).
 
-A task kind maps to an `SWETaskFamily`, which knows where the repository is, how to put
-it into a sandbox and how to grade in SWE-bench's terms; mini-SWE is the default family.
+A task kind maps to an `SWETaskFamily`, which knows the task's image, where the
+repository is, how to put it into a sandbox and how to grade a submission. Defaults:
+mini-SWE (`mini_swe`: local sandboxes, graded by the swebench package) and the spec family
+(`swebench`, `swebench_pro`, `generic_swe`: rollout.tasks.swe_family, one image per task).
+Sandboxes come from `sandbox_factory(image)`: the task's image, or None for tasks without
+one (default: a LocalSandbox for None, a DockerSandbox of that image otherwise;
+`Fleet.sandbox` fits too).
 """
 
 from __future__ import annotations
@@ -32,14 +37,19 @@ from rollout.harness.prompts import read_prompts
 from rollout.masking import classify_turn
 from rollout.rewards.swe import SWEGrade, grade_patch
 from rollout.tasks.mini_swe import MiniSWETasks
+from rollout.tasks.swe_family import SPEC_KINDS, SWESpecTasks
 from rollout.toolcalls import ToolCall
 from rollout.trajectory import MaskTier, Task
 from sandbox.base import ExecResult, Sandbox, SandboxError, SandboxFileError
+from sandbox.docker import DockerSandbox, DockerSandboxConfig
 from sandbox.jail import SAFE_PATH
 from sandbox.local import LocalSandbox, LocalSandboxConfig
 
 SUBMISSION_FILE = ".opd_submission.patch"
 """Where the submitted diff is written, relative to the sandbox's working directory."""
+
+SandboxFactory = Callable[[str | None], Sandbox]
+"""A new, unstarted sandbox for a task's image (None: a task without one)."""
 
 
 class UnknownTaskKindError(KeyError):
@@ -57,6 +67,10 @@ class UnknownBaseCommitError(SandboxError):
 class SWETaskFamily(Protocol):
     """What the swe harness needs from a kind of task."""
 
+    def image(self, task: Task) -> str | None:
+        """The image of the task's sandboxes; None: the harness's image-less sandbox."""
+        ...
+
     def repo_dir(self, task: Task) -> str:
         """The repository in the sandbox: every command's working directory."""
         ...
@@ -66,6 +80,20 @@ class SWETaskFamily(Protocol):
         a fresh one for grading); raises sandbox.SandboxError when it cannot."""
         ...
 
+    async def grade(
+        self, task: Task, sandbox: Sandbox, model_patch: str, timeout_s: float
+    ) -> SWEGrade:
+        """Judge `model_patch` in `sandbox`, a fresh one that `prepare` filled."""
+        ...
+
+
+class SWEBenchInstanceTasks(Protocol):
+    """Tasks that describe themselves as SWE-bench instances and need no image (mini-SWE)."""
+
+    def repo_dir(self, task: Task) -> str: ...
+
+    async def prepare(self, task: Task, sandbox: Sandbox) -> None: ...
+
     def instance(self, task: Task) -> dict[str, Any]:
         """The task as a SWE-bench instance (FAIL_TO_PASS, PASS_TO_PASS, eval_script, ...)."""
         ...
@@ -73,6 +101,47 @@ class SWETaskFamily(Protocol):
     def protected_paths(self, task: Task) -> list[str]:
         """fnmatch patterns of repository paths a submission may not change."""
         ...
+
+
+class SWEBenchInstanceFamily:
+    """An SWETaskFamily of `SWEBenchInstanceTasks`: image-less sandboxes, graded by the
+    swebench package (rollout.rewards.swe.grade_patch) with the tasks' protected paths."""
+
+    def __init__(self, tasks: SWEBenchInstanceTasks) -> None:
+        self.tasks = tasks
+
+    def image(self, task: Task) -> None:
+        return None
+
+    def repo_dir(self, task: Task) -> str:
+        return self.tasks.repo_dir(task)
+
+    async def prepare(self, task: Task, sandbox: Sandbox) -> None:
+        await self.tasks.prepare(task, sandbox)
+
+    async def grade(
+        self, task: Task, sandbox: Sandbox, model_patch: str, timeout_s: float
+    ) -> SWEGrade:
+        return await grade_patch(
+            sandbox,
+            model_patch,
+            self.tasks.instance(task),
+            self.tasks.repo_dir(task),
+            timeout_s,
+            self.tasks.protected_paths(task),
+        )
+
+
+def default_families() -> dict[str, SWETaskFamily]:
+    """mini-SWE, and the spec family for SWE-bench, SWE-bench Pro and generic rows."""
+    specs = SWESpecTasks()
+    return {"mini_swe": SWEBenchInstanceFamily(MiniSWETasks()), **dict.fromkeys(SPEC_KINDS, specs)}
+
+
+def _task_docker_config() -> DockerSandboxConfig:
+    # The repository lives in the image's own file system (/testbed, /app): it must be
+    # writable. The sandbox's working directory stays a fresh scratch volume beside it.
+    return DockerSandboxConfig(read_only=False)
 
 
 def _local_sandbox_config() -> LocalSandboxConfig:
@@ -93,7 +162,11 @@ class SWEHarnessConfig(BaseModel):
     eval_timeout_s: float = Field(default=600.0, gt=0)
     """Limit of each grading step (applying the patch, running the tests)."""
     sandbox: LocalSandboxConfig = Field(default_factory=_local_sandbox_config)
-    """Settings of the local sandboxes the harness creates (agent and grading)."""
+    """Settings of the local sandboxes the default factory creates for tasks without an
+    image (agent and grading)."""
+    docker: DockerSandboxConfig = Field(default_factory=_task_docker_config)
+    """Settings of the Docker sandboxes the default factory creates for tasks with an
+    image (its `image` is replaced by the task's)."""
     prompts_file: Path | None = None
     """A YAML file of prompts like prompts/swe.yaml; None: the packaged one."""
 
@@ -171,13 +244,21 @@ class SWEHarness:
         self,
         config: SWEHarnessConfig | None = None,
         families: Mapping[str, SWETaskFamily] | None = None,
-        sandbox_factory: Callable[[], Sandbox] | None = None,
+        sandbox_factory: SandboxFactory | None = None,
     ) -> None:
+        """`families`: by task kind (default: `default_families()`); `sandbox_factory`:
+        sandboxes by image (default: `default_sandbox`)."""
         self.config = config or SWEHarnessConfig()
         self.prompts = load_prompts(self.config.prompts_file)
         self.tools = swe_tools(self.prompts)
-        self.families: dict[str, SWETaskFamily] = dict(families or {"mini_swe": MiniSWETasks()})
-        self.sandbox_factory = sandbox_factory or (lambda: LocalSandbox(self.config.sandbox))
+        self.families: dict[str, SWETaskFamily] = dict(families or default_families())
+        self.sandbox_factory: SandboxFactory = sandbox_factory or self.default_sandbox
+
+    def default_sandbox(self, image: str | None) -> Sandbox:
+        """A LocalSandbox for a task without an image, else a DockerSandbox of `image`."""
+        if image is None:
+            return LocalSandbox(self.config.sandbox)
+        return DockerSandbox(self.config.docker.model_copy(update={"image": image}))
 
     def family(self, task: Task) -> SWETaskFamily:
         if task.kind not in self.families:
@@ -198,10 +279,11 @@ class SWEHarness:
 
     async def new_sandbox(self, task: Task) -> Sandbox:
         """A started sandbox holding the task's repository at its base commit."""
-        sandbox = self.sandbox_factory()
+        family = self.family(task)
+        sandbox = self.sandbox_factory(family.image(task))
         try:
             await sandbox.start()
-            await self.family(task).prepare(task, sandbox)
+            await family.prepare(task, sandbox)
         except BaseException:
             await sandbox.close()
             raise
@@ -251,6 +333,8 @@ class SWEEpisode:
         self.base_commit = base_commit
         self.repo_dir = harness.family(task).repo_dir(task)
         self.steps = 0
+        self.tool_calls = 0
+        """bash actions run (valid turns that were not the submit)."""
         self.submission: str | None = None
         """The submitted diff; None until submit."""
         self.grade: SWEGrade | None = None
@@ -280,6 +364,7 @@ class SWEEpisode:
             self.submission = await self._capture_diff()
             return StepOutcome(tier=MaskTier.VALID, done=True, reason="submitted")
         config = self.harness.config
+        self.tool_calls += 1
         # Merging stderr on the command's own first line keeps bash's line numbers.
         result = await self.sandbox.exec(
             f"exec 2>&1; {call.arguments['command']}", config.command_timeout_s, cwd=self.repo_dir
@@ -328,20 +413,27 @@ class SWEEpisode:
             return SWEGrade(instance_id=self.task.task_id, resolved=False, reason="no submission")
         if not self.submission.strip():
             return SWEGrade(instance_id=self.task.task_id, resolved=False, reason="empty patch")
-        family, config = self.harness.family(self.task), self.harness.config
+        family = self.harness.family(self.task)
         # A fresh sandbox: nothing the agent left outside its diff reaches the tests.
         sandbox = await self.harness.new_sandbox(self.task)
         try:
-            return await grade_patch(
-                sandbox,
-                self.submission,
-                family.instance(self.task),
-                self.repo_dir,
-                config.eval_timeout_s,
-                family.protected_paths(self.task),
+            return await family.grade(
+                self.task, sandbox, self.submission, self.harness.config.eval_timeout_s
             )
         finally:
             await sandbox.close()
+
+    def details(self) -> dict[str, Any]:
+        """The submitted patch, the bash actions run, and after `reward` the grade's
+        reason and outcome (the test log stays on `grade`)."""
+        details: dict[str, Any] = {"answer": self.submission, "tool_calls": self.tool_calls}
+        if self.grade is not None:
+            details |= {
+                "reason": self.grade.reason,
+                "resolved": self.grade.resolved,
+                "patch_applied": self.grade.patch_applied,
+            }
+        return details
 
     async def close(self) -> None:
         await self.sandbox.close()

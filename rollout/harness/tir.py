@@ -34,6 +34,8 @@ class TIRConfig(BaseModel):
 
     max_tool_calls: int = Field(default=16, ge=1)
     """Python calls per trajectory; past them the model must answer."""
+    use_tools: bool = True
+    """False: reasoning only, no python tool; the first reply is the answer."""
     call_timeout_s: float = Field(default=10.0, gt=0)
     """Deadline of one python call."""
     observation_chars: int = Field(default=2000, ge=100)
@@ -57,26 +59,34 @@ class TIRHarness:
     def __init__(self, config: TIRConfig | None = None) -> None:
         self.config = config or TIRConfig()
         self.prompts: dict[str, str] = read_prompts("tir")
-        self.tools = [PYTHON_TOOL]
+        self.tools = [PYTHON_TOOL] if self.config.use_tools else []
 
     def initial_messages(self, task: Task) -> list[Message]:
+        system = (
+            self.prompts["system"].format(max_tool_calls=self.config.max_tool_calls)
+            if self.config.use_tools
+            else self.prompts["reasoning_system"].format()
+        )
         return [
-            {
-                "role": "system",
-                "content": self.prompts["system"].format(max_tool_calls=self.config.max_tool_calls),
-            },
+            {"role": "system", "content": system},
             {"role": "user", "content": self.prompts["user"].format(problem=task.prompt)},
         ]
 
     async def start(self, task: Task) -> TIREpisode:
-        worker = PythonWorker(self.config.worker)
-        await worker.start()
+        worker = None
+        if self.config.use_tools:
+            worker = PythonWorker(self.config.worker)
+            await worker.start()
         return TIREpisode(task, worker, self.config, self.prompts)
 
 
 class TIREpisode:
     def __init__(
-        self, task: Task, worker: PythonWorker, config: TIRConfig, prompts: dict[str, str]
+        self,
+        task: Task,
+        worker: PythonWorker | None,
+        config: TIRConfig,
+        prompts: dict[str, str],
     ) -> None:
         self.task = task
         self.worker = worker
@@ -84,8 +94,17 @@ class TIREpisode:
         self.prompts = prompts
         self.tool_calls = 0
         self.answer: str | None = None
+        self.grade_reason: str | None = None
 
     async def step(self, turn: RecordedTurn) -> StepOutcome:
+        if not self.config.use_tools:  # one reply, whatever it holds, is the answer
+            self.answer = last_boxed(turn.message["content"])
+            found = self.answer is not None
+            return StepOutcome(
+                done=True,
+                tier=MaskTier.VALID if found else None,
+                reason="boxed answer" if found else "no boxed answer",
+            )
         if turn.error is not None:
             answer = last_boxed(turn.message["content"])
             if isinstance(turn.error, NoToolCallError) and answer is not None:
@@ -100,6 +119,7 @@ class TIREpisode:
                     max_tool_calls=self.config.max_tool_calls
                 )
             )
+        assert self.worker is not None  # use_tools: started with one
         self.tool_calls += 1
         result = await self.worker.exec(
             turn.calls[0].arguments["code"], timeout_s=self.config.call_timeout_s
@@ -116,7 +136,19 @@ class TIREpisode:
     async def reward(self) -> float:
         if self.task.answer is None:
             raise ValueError(f"task {self.task.task_id} has no reference answer to grade")
-        return await grade_answer(self.answer, self.task.answer, self.config.grade_timeout_s)
+        reward = await grade_answer(self.answer, self.task.answer, self.config.grade_timeout_s)
+        if self.answer is None:
+            self.grade_reason = "no boxed answer"
+        else:
+            self.grade_reason = "correct" if reward > 0 else "wrong answer"
+        return reward
+
+    def details(self) -> dict[str, Any]:
+        details: dict[str, Any] = {"answer": self.answer, "tool_calls": self.tool_calls}
+        if self.grade_reason is not None:
+            details["reason"] = self.grade_reason
+        return details
 
     async def close(self) -> None:
-        await self.worker.close()
+        if self.worker is not None:
+            await self.worker.close()

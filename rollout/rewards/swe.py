@@ -5,10 +5,13 @@ One result type (`SWEGrade`) for two entry points that share the grading code:
   output, with swebench's `>>>>> Start/End Test Output` markers) graded with swebench's
   log parser for the repo and its FAIL_TO_PASS / PASS_TO_PASS report.
 - `grade_patch(sandbox, patch, instance, ...)`: the run itself, in a sandbox that holds
-  the repository at its base commit: apply the model's patch (swebench's chain of apply
-  commands), refuse it if it touches protected paths (mini-SWE: the tests), run the
-  instance's eval script (which applies the test patch and runs the tests), then
-  `grade_log` on what it printed.
+  the repository at its base commit: apply the model's patch (`apply_patch`: swebench's
+  chain of apply commands), refuse it if it touches protected paths (mini-SWE: the
+  tests), run the instance's eval script (which applies the test patch and runs the
+  tests), then `grade_log` on what it printed.
+
+The graders of every grading kind (swebench, SWE-bench Pro, test scripts) are in
+rollout.rewards.graders; they share `SWEGrade`.
 
 `instance` is a SWE-bench instance dict (instance_id, repo, version, FAIL_TO_PASS,
 PASS_TO_PASS as JSON lists or lists, eval_script; log_parser and eval_type as in swebench
@@ -157,7 +160,7 @@ def _grade_spec_log(test_spec: Any, log: str) -> SWEGrade:
     report = get_eval_tests_report(status_map, gold, eval_type=EvalType(test_spec.eval_type))
     f2p, p2p = GradedTests(**report[FAIL_TO_PASS]), GradedTests(**report[PASS_TO_PASS])
     resolved = get_resolution_status(report) == ResolvedStatus.FULL.value
-    reason = "resolved" if resolved else _failure_reason(f2p, p2p)
+    reason = "resolved" if resolved else failure_reason(f2p, p2p)
     return SWEGrade(
         **base,
         resolved=resolved,
@@ -168,7 +171,8 @@ def _grade_spec_log(test_spec: Any, log: str) -> SWEGrade:
     )
 
 
-def _failure_reason(f2p: GradedTests, p2p: GradedTests) -> str:
+def failure_reason(f2p: GradedTests, p2p: GradedTests) -> str:
+    """Which FAIL_TO_PASS / PASS_TO_PASS tests did not pass (the first three named)."""
     failed = [*f2p.failure, *p2p.failure]
     shown = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
     return (
@@ -191,6 +195,38 @@ class EvalRun(BaseModel):
     timed_out: bool = False
 
 
+async def apply_patch(
+    sandbox: Sandbox,
+    model_patch: str,
+    repo_dir: str,
+    timeout_s: float,
+    commands: Sequence[str] | None = None,
+    scratch_dir: str = SCRATCH_DIR,
+) -> tuple[bool, str]:
+    """Apply `model_patch` to the repository at `repo_dir` with the first of `commands`
+    that succeeds (default: swebench's chain, GIT_APPLY_CMDS); a patch already in the
+    tree counts as applied. Returns whether it applied and the commands' output."""
+    if commands is None:
+        from swebench.harness.run_evaluation import GIT_APPLY_CMDS
+
+        commands = GIT_APPLY_CMDS
+    await sandbox.write_file(f"{scratch_dir}/model.patch", model_patch.encode())
+    repo = shlex.quote(repo_dir)
+    # Each failed attempt (notably --reject) leaves partial state: reset before the next.
+    attempts = " ".join(shlex.quote(cmd) for cmd in commands)
+    apply = (
+        f'patch_file="$PWD/{scratch_dir}/model.patch"; cd {repo} || exit 1\n'
+        f"for apply in {attempts}; do\n"
+        f'  $apply "$patch_file" && {{ echo "{APPLIED}"; exit 0; }}\n'
+        "  git checkout -q -- . ; git clean -fdq\n"
+        "done\n"
+        f'git apply --check --reverse "$patch_file" && {{ echo "{APPLIED}"; exit 0; }}\n'
+        f'echo "{APPLY_FAILED}"; exit 1\n'
+    )
+    applied = await sandbox.exec(f"exec 2>&1\n{apply}", timeout_s)
+    return applied.ok, applied.stdout
+
+
 async def run_eval(
     sandbox: Sandbox,
     model_patch: str,
@@ -203,34 +239,21 @@ async def run_eval(
     """Apply `model_patch` to the repository at `repo_dir` and run `eval_script`, as
     swebench's run_instance does in a container; `sandbox` must hold the repository at
     its base commit and nothing else of the episode."""
-    from swebench.harness.run_evaluation import GIT_APPLY_CMDS
-
-    await sandbox.write_file(f"{scratch_dir}/model.patch", model_patch.encode())
-    repo = shlex.quote(repo_dir)
-    # Each failed attempt (notably --reject) leaves partial state: reset before the next.
-    attempts = " ".join(shlex.quote(cmd) for cmd in GIT_APPLY_CMDS)
-    apply = (
-        f'patch_file="$PWD/{scratch_dir}/model.patch"; cd {repo} || exit 1\n'
-        f"for apply in {attempts}; do\n"
-        f'  $apply "$patch_file" && {{ echo "{APPLIED}"; exit 0; }}\n'
-        "  git checkout -q -- . ; git clean -fdq\n"
-        "done\n"
-        f'git apply --check --reverse "$patch_file" && {{ echo "{APPLIED}"; exit 0; }}\n'
-        f'echo "{APPLY_FAILED}"; exit 1\n'
+    applied, apply_output = await apply_patch(
+        sandbox, model_patch, repo_dir, timeout_s, scratch_dir=scratch_dir
     )
-    applied = await sandbox.exec(f"exec 2>&1\n{apply}", timeout_s)
-    if not applied.ok:
-        return EvalRun(applied=False, apply_output=applied.stdout)
+    if not applied:
+        return EvalRun(applied=False, apply_output=apply_output)
     touched = await _protected_changes(sandbox, repo_dir, protected_paths, timeout_s)
     if touched:
-        return EvalRun(applied=True, apply_output=applied.stdout, protected_touched=touched)
+        return EvalRun(applied=True, apply_output=apply_output, protected_touched=touched)
     await sandbox.write_file(f"{scratch_dir}/eval.sh", eval_script.encode())
     # One file for both streams keeps the order the markers and the test output came in.
     ran = await sandbox.exec(
         f"bash {scratch_dir}/eval.sh > {scratch_dir}/test_output.txt 2>&1", timeout_s
     )
     log = (await sandbox.read_file(f"{scratch_dir}/test_output.txt")).decode(errors="replace")
-    return EvalRun(applied=True, apply_output=applied.stdout, log=log, timed_out=ran.timed_out)
+    return EvalRun(applied=True, apply_output=apply_output, log=log, timed_out=ran.timed_out)
 
 
 async def _protected_changes(

@@ -10,9 +10,14 @@ submission is graded:
   the row's `before_repo_set_cmd` (`eval_setup_commands`: it checks the tests out of the
   fix commit), then `test_command` (`bash /workspace/run_script.sh <test files>`) and the
   instance's parser.py. The run_script.sh and parser.py of each instance live in
-  scaleapi/SWE-bench_Pro-os (run_scripts/<instance_id>/), not in the dataset row.
-- "script": `test_command` run in the working directory (after the test patch, if any),
-  its log read by a swebench log parser (`log_parser`, pytest's by default).
+  scaleapi/SWE-bench_Pro-os (run_scripts/<instance_id>/), not in the dataset row: the
+  spec's `run_scripts_dir` (or the grader's) points to a copy of that folder.
+- "script": `test_command` run in the working directory (after the test patch, if any,
+  and `eval_setup_commands`), its log read by a swebench log parser (`log_parser`,
+  pytest's by default).
+
+rollout.rewards.graders grades each kind; rollout.tasks.swe_family serves the tasks to the
+swe harness.
 
 Adapters from dataset rows:
 - `from_swebench(row)`: SWE-bench, Lite, Verified (and SWE-Gym, which shares the format).
@@ -21,8 +26,9 @@ Adapters from dataset rows:
   repository is at /testbed, already at the base commit in the image.
 - `from_swebench_pro(row)`: image `jefzda/sweap-images:<dockerhub_tag>` (the row's
   `dockerhub_tag`; rows without one get the tag SWE-bench Pro's harness derives,
-  `<owner>.<name>-<instance_id without "instance_">` with the repo lower-cased, cut to 128
-  characters), repository at /app; fail_to_pass / pass_to_pass are lower-case there.
+  `<owner>.<name>-<instance_id without "instance_" and "-vnan">` with the repo
+  lower-cased, cut to 128 characters), repository at /app; fail_to_pass / pass_to_pass
+  are lower-case there.
 - `from_generic(row)`: SWE-Gym / SWE-smith style rows that name their own image (or get
   `DEFAULT_SWE_IMAGE`), workdir (default /testbed), setup and test commands.
 
@@ -50,6 +56,9 @@ SWEBENCH_NAMESPACE = "swebench"
 SWEBENCH_PRO_IMAGES = "jefzda/sweap-images"
 SWEBENCH_PRO_RUN_SCRIPT = "/workspace/run_script.sh"
 _DOCKER_TAG_MAX_CHARS = 128
+_ELEMENT_WEB_EXCEPTION = (
+    "instance_element-hq__element-web-ec0f940ef0e8e3b61078f145f34dc40d1938e6c5-vnan"
+)
 
 
 class SWETaskSpecError(ValueError):
@@ -103,6 +112,10 @@ class SWETaskSpec(BaseModel):
     environment_setup_commit: str | None = None
     created_at: str | None = None
     language: str | None = None
+    run_scripts_dir: str | None = None
+    """SWE-bench Pro: a directory on the grading host holding `<instance_id>/run_script.sh`
+    and `<instance_id>/parser.py` (scaleapi/SWE-bench_Pro-os's run_scripts/); None: the
+    grader's own setting."""
     extra: dict[str, Any] = Field(default_factory=dict)
     """The row's other fields, kept verbatim."""
 
@@ -116,10 +129,17 @@ def swebench_image(
 
 
 def swebench_pro_tag(instance_id: str, repo: str) -> str:
-    """The tag SWE-bench Pro's harness derives when a row has no dockerhub_tag."""
+    """The tag SWE-bench Pro's harness derives when a row has no dockerhub_tag
+    (helper_code/image_uri.py there): a "-vnan" version suffix is dropped, and
+    element-hq/element-web images are published as "element" (but for one instance)."""
     owner, _, name = repo.lower().partition("/")
-    tag = f"{owner}.{name or owner}-{instance_id.removeprefix('instance_')}"
-    return tag[:_DOCKER_TAG_MAX_CHARS]
+    name = name or owner
+    suffix = instance_id.removeprefix("instance_")
+    if instance_id != _ELEMENT_WEB_EXCEPTION:  # that one keeps its full name and suffix
+        if (owner, name) == ("element-hq", "element-web"):
+            name = "element"
+        suffix = suffix.removesuffix("-vnan")
+    return f"{owner}.{name}-{suffix}"[:_DOCKER_TAG_MAX_CHARS]
 
 
 def from_swebench(row: Mapping[str, Any], namespace: str = SWEBENCH_NAMESPACE) -> SWETaskSpec:
@@ -168,10 +188,13 @@ def from_swebench(row: Mapping[str, Any], namespace: str = SWEBENCH_NAMESPACE) -
 
 
 def from_swebench_pro(
-    row: Mapping[str, Any], image_repository: str = SWEBENCH_PRO_IMAGES
+    row: Mapping[str, Any],
+    image_repository: str = SWEBENCH_PRO_IMAGES,
+    run_scripts_dir: str | None = None,
 ) -> SWETaskSpec:
     """A SWE-bench Pro row (ScaleAI/SWE-bench_Pro); `image_repository`: where its images
-    are (a mirror of jefzda/sweap-images)."""
+    are (a mirror of jefzda/sweap-images); `run_scripts_dir`: where the instances'
+    run_script.sh and parser.py are (the row's own `run_scripts_dir` wins)."""
     instance_id = _text(row, "instance_id")
     repo = _text(row, "repo")
     tag = row.get("dockerhub_tag") or swebench_pro_tag(instance_id, repo)
@@ -202,6 +225,7 @@ def from_swebench_pro(
         "selected_test_files_to_run",
         "dockerhub_tag",
         "image_name",
+        "run_scripts_dir",
     }
     return _spec(
         instance_id=instance_id,
@@ -224,6 +248,7 @@ def from_swebench_pro(
         requirements=row.get("requirements") or "",
         interface=row.get("interface") or "",
         language=_optional_text(row, "repo_language"),
+        run_scripts_dir=row.get("run_scripts_dir") or run_scripts_dir,
         extra=_extra(row, known),
     )
 

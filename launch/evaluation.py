@@ -1,0 +1,339 @@
+"""One evaluation run from its settings: load the benchmarks, open the policy and the
+sandboxes, run what the run directory does not hold yet, score, write the reports.
+
+`opd eval swe|math` and `opd sweep temperature` (launch/eval_cli.py) are thin shells
+around `run_evaluation`; so are the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from launch.eval_report import (
+    WandbMode,
+    log_to_wandb,
+    markdown_table,
+    math_table,
+    scores_plot,
+    settings_markdown,
+    swe_table,
+    write_report,
+)
+from launch.policies import open_policy, resolve_policy
+from rollout.chat import ChatRenderer
+from rollout.evaluation.datasets import (
+    MINI_SWE_PREFIX,
+    SWEDatasetKind,
+    load_math_dataset,
+    load_swe_dataset,
+    named,
+)
+from rollout.evaluation.records import EvalRecord, ResultStore, latest_records
+from rollout.evaluation.run import EvalJob, evaluate, pending_jobs, write_predictions
+from rollout.evaluation.scores import BenchmarkScore, score
+from rollout.harness.base import Harness
+from rollout.harness.swe import SWEHarness, SWEHarnessConfig
+from rollout.harness.tir import TIRConfig, TIRHarness
+from rollout.policy import Policy, SamplingParams
+from rollout.runner import Runner, RunnerConfig
+from rollout.trajectory import Task
+from sandbox.fleet import Fleet, FleetConfig, HostConfig, InProcessHost
+
+EvalKind = Literal["swe", "math"]
+
+
+class EvalSettings(BaseModel):
+    """What decides an evaluation's results (kept in run.json; a run directory resumes only
+    with equal settings). How many instances run (`limit`), how many at once and where the
+    reports go are not settings: they do not change a result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: EvalKind
+    policy: str
+    """An SGLang URL, a local HF directory, factory:<preset> or bundled:student."""
+    tokenizer: str | None = None
+    datasets: list[str] = Field(min_length=1)
+    """`name=path` or a path (named by its stem); `mini_swe:N` for synthetic SWE tasks."""
+    dataset_digests: dict[str, str] = Field(default_factory=dict)
+    """sha256 of each dataset file (filled by `run_evaluation`)."""
+    swe_kind: SWEDatasetKind = "auto"
+    samples: int = Field(default=1, ge=1)
+    """k: trajectories per instance."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_k: int = Field(default=-1, ge=-1)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_turns: int = Field(default=100, ge=1)
+    """SWE: the step limit; math: python calls (plus one turn for the answer)."""
+    tools: bool = True
+    """Math: the python tool (TIR); False: reasoning only."""
+    max_new_tokens: int = Field(default=4096, ge=1)
+    max_context_tokens: int = Field(default=32768, ge=16)
+    trajectory_timeout_s: float = Field(default=3600.0, gt=0)
+    command_timeout_s: float = Field(default=60.0, gt=0)
+    eval_timeout_s: float = Field(default=1800.0, gt=0)
+    think_policy: Literal["drop", "keep"] = "drop"
+    tool_call_format: Literal["hermes", "qwen3_coder"] = "hermes"
+    seed: int = 0
+
+
+class RunOptions(BaseModel):
+    """How an evaluation runs, without changing its results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    out_dir: Path
+    limit: int | None = Field(default=None, ge=1)
+    """The first N instances of each benchmark."""
+    concurrency: int = Field(default=8, ge=1)
+    sandbox: Literal["local", "docker"] | None = None
+    """SWE sandboxes on this machine: local (no images; mini-SWE) or docker (each
+    instance's image); None: docker when any instance names an image."""
+    max_sandboxes: int = Field(default=16, ge=1)
+    fleet_file: Path | None = None
+    """A YAML fleet: {config: FleetConfig fields, hosts: [HostConfig fields, ...]}."""
+    models_dir: Path | None = None
+    model_name: str | None = None
+    """model_name_or_path in the predictions; default: the policy."""
+    show_progress: bool = True
+    wandb_mode: WandbMode = "offline"
+    wandb_project: str = "opd-eval"
+    wandb_entity: str | None = None
+
+
+class EvalOutcome(BaseModel):
+    settings: EvalSettings
+    scores: list[BenchmarkScore]
+    ran: int
+    """Trajectories run this time (the rest were already in the run directory)."""
+    resumed: int
+    reports: list[Path]
+
+
+def load_benchmarks(settings: EvalSettings, limit: int | None) -> dict[str, list[Task]]:
+    benchmarks: dict[str, list[Task]] = {}
+    for spec in settings.datasets:
+        name, source = named(spec)
+        if name in benchmarks:
+            raise ValueError(f"two datasets are named {name!r}: name them (name=path)")
+        if settings.kind == "math":
+            tasks = load_math_dataset(Path(source))
+        else:
+            tasks = load_swe_dataset(source, settings.swe_kind, seed=settings.seed)
+        benchmarks[name] = tasks[:limit] if limit is not None else tasks
+    return benchmarks
+
+
+def dataset_digests(datasets: Sequence[str]) -> dict[str, str]:
+    digests: dict[str, str] = {}
+    for spec in datasets:
+        name, source = named(spec)
+        if source.startswith(MINI_SWE_PREFIX):
+            continue
+        digests[name] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    return digests
+
+
+def harness_of(settings: EvalSettings) -> Harness:
+    if settings.kind == "math":
+        return TIRHarness(TIRConfig(max_tool_calls=settings.max_turns, use_tools=settings.tools))
+    return SWEHarness(
+        SWEHarnessConfig(
+            step_limit=settings.max_turns,
+            command_timeout_s=settings.command_timeout_s,
+            eval_timeout_s=settings.eval_timeout_s,
+        )
+    )
+
+
+def runner_config_of(settings: EvalSettings, concurrency: int) -> RunnerConfig:
+    # TIR: every python call is a turn, and the answer one more
+    turns = settings.max_turns + 1 if settings.kind == "math" else settings.max_turns
+    return RunnerConfig(
+        concurrency=concurrency,
+        max_turns=turns,
+        max_new_tokens=settings.max_new_tokens,
+        max_context_tokens=settings.max_context_tokens,
+        trajectory_timeout_s=settings.trajectory_timeout_s,
+        sampling=SamplingParams(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+        ),
+    )
+
+
+def load_fleet(path: Path) -> tuple[FleetConfig, list[HostConfig]]:
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict) or not data.get("hosts"):
+        raise ValueError(f"{path}: a fleet file needs `hosts:` (a list of host settings)")
+    unknown = set(data) - {"config", "hosts"}
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: config, hosts")
+    config = FleetConfig.model_validate(data.get("config") or {})
+    return config, [HostConfig.model_validate(host) for host in data["hosts"]]
+
+
+@contextlib.asynccontextmanager
+async def sandboxes_for(
+    benchmarks: dict[str, list[Task]], options: RunOptions, harness: SWEHarness, owner: str
+) -> AsyncIterator[Fleet]:
+    """The fleet SWE sandboxes come from: the fleet file's hosts, or one host here."""
+    if options.fleet_file is not None:
+        config, hosts = load_fleet(options.fleet_file)
+    else:
+        any_image = any(
+            harness.family(task).image(task) is not None
+            for tasks in benchmarks.values()
+            for task in tasks
+        )
+        backend = options.sandbox or ("docker" if any_image else "local")
+        config = FleetConfig(owner=owner)
+        hosts = [
+            HostConfig(
+                name="here",
+                backend=backend,
+                local=harness.config.sandbox,
+                docker=harness.config.docker,  # writable: SWE images hold the repo
+                max_sandboxes=options.max_sandboxes,
+            )
+        ]
+    fleet = Fleet([InProcessHost(host, config.owner) for host in hosts], config)
+    async with fleet:
+        yield fleet
+
+
+async def _run(
+    settings: EvalSettings,
+    options: RunOptions,
+    benchmarks: dict[str, list[Task]],
+    jobs: list[EvalJob],
+    store: ResultStore,
+    policy_factory: Callable[[], contextlib.AbstractAsyncContextManager[tuple[Policy, Any]]],
+) -> None:
+    harness = harness_of(settings)
+    async with contextlib.AsyncExitStack() as stack:
+        policy, tokenizer = await stack.enter_async_context(policy_factory())
+        if isinstance(harness, SWEHarness):
+            owner = (
+                "opd-eval-"
+                + hashlib.sha256(str(options.out_dir.resolve()).encode()).hexdigest()[:8]
+            )
+            fleet = await stack.enter_async_context(
+                sandboxes_for(benchmarks, options, harness, owner)
+            )
+            harness.sandbox_factory = fleet.sandbox
+        renderer = ChatRenderer(
+            tokenizer,
+            harness.tools,
+            think_policy=settings.think_policy,
+            tool_call_format=settings.tool_call_format,
+        )
+        runner = Runner(harness, policy, renderer, runner_config_of(settings, options.concurrency))
+        await evaluate(runner, jobs, store, show_progress=options.show_progress)
+
+
+def run_evaluation(
+    settings: EvalSettings,
+    options: RunOptions,
+    policy_factory: Callable[[], contextlib.AbstractAsyncContextManager[tuple[Policy, Any]]]
+    | None = None,
+) -> EvalOutcome:
+    """Run (or resume) the evaluation into options.out_dir and write its reports.
+    `policy_factory`: opens (policy, tokenizer); default: from settings.policy."""
+    benchmarks = load_benchmarks(settings, options.limit)
+    settings = settings.model_copy(update={"dataset_digests": dataset_digests(settings.datasets)})
+    store = ResultStore(options.out_dir)
+    done = store.open(settings.model_dump(mode="json"))
+    jobs = pending_jobs(benchmarks, settings.samples, done)
+    if policy_factory is None:
+        source = resolve_policy(
+            settings.policy,
+            settings.tokenizer,
+            options.models_dir or options.out_dir / "models",
+            settings.seed,
+        )
+
+        def policy_factory() -> contextlib.AbstractAsyncContextManager[tuple[Policy, Any]]:
+            return open_policy(source, settings.seed + len(done), options.concurrency)
+
+    if jobs:
+        asyncio.run(_run(settings, options, benchmarks, jobs, store, policy_factory))
+    wanted = {job_key for job_key in _keys(benchmarks, settings.samples)}
+    records = [r for r in latest_records(store.read()) if r.key in wanted]
+    scores = score(records)
+    reports = write_eval_report(settings, options, records, scores)
+    return EvalOutcome(
+        settings=settings,
+        scores=scores,
+        ran=len(jobs),
+        resumed=len(wanted) - len(jobs),
+        reports=reports,
+    )
+
+
+def _keys(benchmarks: dict[str, list[Task]], samples: int) -> set[tuple[str, str, int]]:
+    return {
+        (name, task.task_id, sample)
+        for name, tasks in benchmarks.items()
+        for task in tasks
+        for sample in range(samples)
+    }
+
+
+def write_eval_report(
+    settings: EvalSettings,
+    options: RunOptions,
+    records: Sequence[EvalRecord],
+    scores: Sequence[BenchmarkScore],
+) -> list[Path]:
+    out_dir = options.out_dir
+    table = swe_table(scores) if settings.kind == "swe" else math_table(scores)
+    title = f"opd eval {settings.kind}: {settings.policy}"
+    metric = "pass@1" if settings.kind == "swe" else f"avg@{settings.samples}"
+    sections = [
+        ("Scores", markdown_table(table)),
+        ("Why not solved", _reasons_markdown(scores)),
+        ("Settings", settings_markdown(settings.model_dump(mode="json"))),
+    ]
+    paths = write_report(
+        out_dir,
+        title,
+        sections,
+        {
+            "settings": settings.model_dump(mode="json"),
+            "scores": [s.model_dump(mode="json") for s in scores],
+        },
+        plot=scores_plot(scores, title, metric) if scores else None,
+    )
+    if settings.kind == "swe":
+        paths += write_predictions(records, out_dir, options.model_name or settings.policy)
+    log_to_wandb(
+        options.wandb_mode,
+        options.wandb_project,
+        f"eval-{settings.kind}-{out_dir.name}",
+        out_dir,
+        {f"eval/{settings.kind}_scores": table},
+        settings.model_dump(mode="json"),
+        image=out_dir / "report.png",
+        entity=options.wandb_entity,
+    )
+    return paths
+
+
+def _reasons_markdown(scores: Sequence[BenchmarkScore]) -> str:
+    lines = []
+    for s in scores:
+        top = list(s.reasons.items())[:5]
+        shown = "; ".join(f"{reason} ({count})" for reason, count in top) or "none"
+        lines.append(f"- {s.benchmark}: {shown}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Evaluation: statistics of pass rates and paired comparisons of evaluation runs."""
