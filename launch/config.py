@@ -16,6 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 Recipe = Literal["opd", "opsd", "oprd", "ssd", "rl", "sft"]
 RECIPES_WITH_TEACHER: frozenset[str] = frozenset({"opd", "opsd", "oprd"})
+OPRD_ON_SLIME = (
+    "recipe 'oprd' does not run on slime: its failure branch needs the teacher's full "
+    "distribution (shared-support KL) or its per-token top-k (teacher_topk), and its routing "
+    "a per-sample outcome, none of which slime's batch carries to a custom loss; train "
+    "oprd with the local trainer (`opd train`, parallel.gpus_per_node: 0)"
+)
+"""Why the slime hooks and the cluster launch refuse recipe oprd."""
 
 
 class ConfigError(ValueError):
@@ -183,10 +190,19 @@ class TeacherConfig(Section):
     critic_url: str | None = None
     """OpenAI-compatible base URL of the critic model (hint: critic)."""
     critic_model: str = "critic"
+    reminders: str = "rules"
+    """OPRD: where the self-teacher's reminders come from: rules (task-level global
+    reminders, and per observation: errors, failing tests, repeated and invalid actions;
+    rollout/reminders.py), none (a control: the teacher reads the student's context), or
+    a dotted path to a rollout.reminders.ReminderSource class (built with no arguments)."""
+    reminders_file: Path | None = None
+    """OPRD, reminders rules: a YAML of reminder templates, global reminders by task kind
+    and rules, in the format of the packaged rollout/reminders.yaml (its default)."""
     snapshot: Literal["fixed", "ema", "refresh"] = "fixed"
     """Self-teachers (OPSD/OPRD): the student's initial weights throughout (fixed), an
     exponential moving average of the student (ema), or the student's weights copied in at
-    the fractions of training in `refresh_at` (refresh); the service reloads them."""
+    the fractions of training in `refresh_at` (refresh); the service reloads them (or the
+    trainer's in-process teacher takes them). Recipe oprd defaults to refresh."""
     refresh_at: list[float] = Field(default_factory=lambda: [0.2, 0.4, 0.6, 0.8])
     """snapshot refresh: fractions of training at which the teacher takes the student's weights."""
     ema_decay: float = Field(default=0.99, gt=0.0, lt=1.0)
@@ -201,6 +217,11 @@ class TeacherConfig(Section):
             raise ValueError("hint 'critic' needs critic_url (an OpenAI-compatible endpoint)")
         if self.kind == "embedded" and not self.model:
             raise ValueError("kind 'embedded' needs model (a HF directory or factory:<preset>)")
+        if self.reminders not in ("rules", "none") and "." not in self.reminders:
+            raise ValueError(
+                f"reminders {self.reminders!r}: use rules, none, or a dotted path "
+                "package.module.Class to a ReminderSource"
+            )
         return self
 
 
@@ -222,6 +243,18 @@ class AlgorithmConfig(Section):
     KL against the teacher's top-k (teacher.top_k > 0) with a tail bucket or renormalized."""
     train_on_invalid_turns: bool = True
     """Whether KL-to-teacher losses train on tier-1/2 invalid turns (imitation losses never do)."""
+    oprd_success_weight: float = Field(default=1.0, ge=0.0)
+    """OPRD's lambda_+: weight of the success branch (self-imitation NLL of trajectories
+    with reward > 0, invalid turns masked)."""
+    oprd_failure_weight: float = Field(default=1.0, ge=0.0)
+    """OPRD's lambda_-: weight of the failure branch (reverse KL to the reminded teacher)."""
+    oprd_failure_loss: Literal["shared_support", "teacher_topk"] = "shared_support"
+    """OPRD's failure branch: shared_support (KL on the top-`oprd_support_k` ids of
+    max(log p_S, log p_T), both renormalized; the teacher runs in the trainer's process,
+    where both full distributions exist: local trainer only), or teacher_topk (KL to the
+    teacher service's top-k with a tail bucket; needs teacher.top_k > 0)."""
+    oprd_support_k: int = Field(default=100, ge=1)
+    """OPRD shared_support: size of the shared support U (the paper: 100)."""
     sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"
     """How the local trainer lays out a trajectory: packed (one sequence, every token once;
     exact for full-attention models), per_turn (a sequence per turn, context recomputed),
@@ -299,6 +332,17 @@ class JobConfig(Section):
             raise ValueError(
                 f"recipe '{recipe}' distills from a frozen snapshot of the student: "
                 "set teacher.kind: self"
+            )
+        if recipe == "oprd" and "snapshot" not in self.teacher.model_fields_set:
+            self.teacher.snapshot = "refresh"  # OPRD refreshes at 20/40/60/80% by default
+        if (
+            recipe == "oprd"
+            and self.algorithm.oprd_failure_loss == "teacher_topk"
+            and self.teacher.top_k == 0
+        ):
+            raise ValueError(
+                "algorithm.oprd_failure_loss 'teacher_topk' needs the teacher's top-k: set "
+                "teacher.top_k > 0 (or use shared_support with the in-process teacher)"
             )
         if recipe == "opd" and self.teacher.kind == "self":
             raise ValueError(

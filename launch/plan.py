@@ -20,7 +20,13 @@ from typing import Literal
 
 import yaml
 
-from launch.config import RECIPES_WITH_TEACHER, ConfigError, JobConfig, config_to_yaml
+from launch.config import (
+    OPRD_ON_SLIME,
+    RECIPES_WITH_TEACHER,
+    ConfigError,
+    JobConfig,
+    config_to_yaml,
+)
 
 HOOKS = "slime_ext.slime"
 SANDBOX_RESOURCE = "opd_sandbox_host"
@@ -84,6 +90,8 @@ def check_cluster(job: JobConfig) -> None:
     if job.cluster.save_dir is None:
         problems.append("cluster.save_dir: where this run's Megatron checkpoints go")
     recipe = job.algorithm.recipe
+    if recipe == "oprd":
+        problems.append(OPRD_ON_SLIME)
     if recipe not in ("sft", "ssd") and job.cluster.tasks_file is None:
         problems.append("cluster.tasks_file: the training tasks (JSONL) for slime's --prompt-data")
     if recipe in RECIPES_WITH_TEACHER and job.teacher.kind != "self":

@@ -14,6 +14,12 @@ TEACHER_RECIPES = ("opd", "opsd", "oprd")
 """Recipes whose rollouts are scored by a teacher, turn by turn."""
 
 
+def teacher_in_process(job: JobConfig) -> bool:
+    """OPRD with the shared-support KL: the teacher is a frozen copy of the student in the
+    trainer's process (both full distributions), so rollouts are not scored by a service."""
+    return job.algorithm.recipe == "oprd" and job.algorithm.oprd_failure_loss == "shared_support"
+
+
 def sampling_params(job: JobConfig) -> SamplingParams:
     rollout = job.rollout
     return SamplingParams(
@@ -33,7 +39,9 @@ def runner_config(job: JobConfig) -> RunnerConfig:
         max_context_tokens=rollout.max_context_tokens,
         trajectory_timeout_s=rollout.trajectory_timeout_s,
         sampling=sampling_params(job),
-        teacher_scoring="per_turn" if job.algorithm.recipe in TEACHER_RECIPES else "none",
+        teacher_scoring="per_turn"
+        if job.algorithm.recipe in TEACHER_RECIPES and not teacher_in_process(job)
+        else "none",
         teacher_top_k=job.teacher.top_k,
     )
 

@@ -17,7 +17,7 @@ import httpx
 
 from rollout.chat import ChatRenderer, Message
 from rollout.harness.prompts import read_prompts
-from rollout.trajectory import Task
+from rollout.trajectory import Task, Turn
 
 NUMBER = re.compile(
     r"\\d?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}"  # \frac{a}{b}
@@ -216,7 +216,10 @@ class HintedTeacherContext:
                 self.stats.hint_tokens.append(len(self.renderer.encode(text)))
             self.hints[task.task_id] = text
 
-    def __call__(self, task: Task, student_ids: list[int]) -> list[int]:
+    def __call__(
+        self, task: Task, student_ids: list[int], earlier_turns: Sequence[Turn] = ()
+    ) -> list[int]:
+        """The teacher's view of a student context (the hint is the same for every turn)."""
         hint = self.hints.get(task.task_id)
         if hint is None:
             return student_ids

@@ -23,13 +23,14 @@ from rollout.chat import ChatRenderer, TrajectoryBuilder
 from rollout.harness.base import Episode, Harness
 from rollout.masking import MaskStats
 from rollout.policy import Policy, PolicyError, SamplingParams
-from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, write_jsonl
+from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Turn, write_jsonl
 from sandbox import SandboxError
 from teacher_server.api import ScoreItem, TrajectoryScoreRequest, TrajectoryTurn
 from teacher_server.client import TeacherClient, TeacherError
 
-TeacherContext = Callable[[Task, list[int]], list[int]]
-"""Maps the student's context ids to the teacher's (a hint inserted); identity for OPD."""
+TeacherContext = Callable[[Task, list[int], Sequence[Turn]], list[int]]
+"""Maps turn k's context ids to the teacher's (a hint or reminders inserted; identity for
+OPD), given the turns before it (their actions and observations: OPRD's reminders)."""
 
 
 class RunnerConfig(BaseModel):
@@ -79,7 +80,7 @@ class Runner:
         self.renderer = renderer
         self.config = config or RunnerConfig()
         self.teacher = teacher
-        self.teacher_context = teacher_context or (lambda _task, ids: ids)
+        self.teacher_context = teacher_context or (lambda _task, ids, _turns: ids)
         if self.config.teacher_scoring != "none" and teacher is None:
             raise ValueError("teacher_scoring is set but no teacher client was given")
         if self.config.teacher_scoring == "trajectory" and teacher_context is not None:
@@ -269,7 +270,7 @@ class Runner:
         assert self.teacher is not None
         turn = builder.turns[k]
         context = builder.turn_context_ids(k)
-        teacher_context = self.teacher_context(task, context)
+        teacher_context = self.teacher_context(task, context, builder.turns[:k])
         started = time.perf_counter()
         [result] = await self.teacher.score(
             [

@@ -306,20 +306,28 @@ def outcome_routed_weights(
     success: Tensor,
     lambda_pos: float = 1.0,
     lambda_neg: float = 1.0,
+    failure_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token weights (success branch, failure branch) for OPRD's routing: each branch
     is the mean over its trajectories of their token-mean loss, scaled by its lambda; an
-    absent branch has all-zero weights. `success` is [num_trajectories] bool."""
+    absent branch has all-zero weights. `success` is [num_trajectories] bool. The failure
+    branch counts its tokens by `failure_mask` when given (a KL may train on turns that
+    imitation masks, invariant 4), else by `mask`."""
     num_trajectories = success.shape[0]
-    per_trajectory = trajectory_token_weights(mask, trajectory_index, num_trajectories)
-    token_mean = per_trajectory * num_trajectories  # undo the mean over all trajectories
     success = success.bool()
     token_success = success[trajectory_index]
     n_pos = max(int(success.sum()), 1)
     n_neg = max(int((~success).sum()), 1)
-    zero = torch.zeros_like(token_mean)
-    w_pos = torch.where(token_success, token_mean * (lambda_pos / n_pos), zero)
-    w_neg = torch.where(token_success, zero, token_mean * (lambda_neg / n_neg))
+
+    def token_mean(branch_mask: Tensor) -> Tensor:
+        weights = trajectory_token_weights(branch_mask, trajectory_index, num_trajectories)
+        return weights * num_trajectories  # undo the mean over all trajectories
+
+    pos = token_mean(mask)
+    neg = pos if failure_mask is None else token_mean(failure_mask)
+    zero = torch.zeros_like(pos)
+    w_pos = torch.where(token_success, pos * (lambda_pos / n_pos), zero)
+    w_neg = torch.where(token_success, zero, neg * (lambda_neg / n_neg))
     return w_pos, w_neg
 
 
@@ -331,10 +339,13 @@ def outcome_routed(
     success: Tensor,
     lambda_pos: float = 1.0,
     lambda_neg: float = 1.0,
+    failure_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """L = lambda_+ L_+ + lambda_- L_-: success trajectories train on `success_loss` (e.g.
     masked NLL), failure trajectories on `failure_loss` (e.g. top-k shared-support KL)."""
-    w_pos, w_neg = outcome_routed_weights(mask, trajectory_index, success, lambda_pos, lambda_neg)
+    w_pos, w_neg = outcome_routed_weights(
+        mask, trajectory_index, success, lambda_pos, lambda_neg, failure_mask
+    )
     loss_pos = weighted_sum(success_loss, w_pos)
     loss_neg = weighted_sum(failure_loss, w_neg)
     metrics = {

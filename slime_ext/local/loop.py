@@ -29,15 +29,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from launch.config import JobConfig
-from launch.runtime import runner_config
+from launch.runtime import runner_config, teacher_in_process
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRConfig, TIRHarness
 from rollout.hints import HintedTeacherContext, hint_source
 from rollout.policy import HFPolicy
-from rollout.runner import Runner, rollout_metrics
+from rollout.reminders import ReminderTeacherContext, read_reminder_file, reminder_source
+from rollout.runner import Runner, TeacherContext, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
-from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from teacher_server.client import TeacherClient
 
 CHECKPOINT = "checkpoint"
@@ -139,6 +140,7 @@ class LocalRun:
     ) -> None:
         self.job = job
         self.run_dir = run_dir
+        self.student_dir = student_dir
         self.console = console or Console()
         checkpoint = run_dir / CHECKPOINT
         source = checkpoint if (checkpoint / "config.json").is_file() else student_dir
@@ -156,10 +158,15 @@ class LocalRun:
                 train_on_invalid_turns=algorithm.train_on_invalid_turns,
                 opd_loss=algorithm.opd_loss,
                 sequence_layout=algorithm.sequence_layout,
+                oprd_success_weight=algorithm.oprd_success_weight,
+                oprd_failure_weight=algorithm.oprd_failure_weight,
+                oprd_failure_loss=algorithm.oprd_failure_loss,
+                oprd_support_k=algorithm.oprd_support_k,
             ),
         )
         self.step = 0
         self.hints: HintedTeacherContext | None = None
+        self.reminders: ReminderTeacherContext | None = None
         self.ema: dict[str, torch.Tensor] | None = None
         self.policy = HFPolicy(self.model, self.tokenizer.eos_token_id, seed=job.model.seed)
         if (checkpoint / "trainer.pt").is_file():
@@ -214,9 +221,9 @@ class LocalRun:
     ) -> list[dict[str, float]]:
         job = self.job
         recipe = job.algorithm.recipe
-        if recipe not in ("opd", "opsd", "rl", "sft"):
+        if recipe not in ("opd", "opsd", "oprd", "rl", "sft"):
             raise ValueError(
-                f"the local trainer runs opd, opsd, rl and sft; {recipe!r} is not yet "
+                f"the local trainer runs opd, opsd, oprd, rl and sft; {recipe!r} is not yet "
                 "supported here"
             )
         total = steps if steps is not None else job.algorithm.steps
@@ -229,15 +236,34 @@ class LocalRun:
         history: list[dict[str, float]] = []
         async with contextlib.AsyncExitStack() as stack:
             teacher = None
-            if recipe in ("opd", "opsd"):
+            in_process = teacher_in_process(job)
+            if recipe in ("opd", "opsd", "oprd") and not in_process:
                 if teacher_url is None:
                     raise ValueError(f"recipe {recipe} needs a teacher service URL")
                 teacher = await stack.enter_async_context(TeacherClient(teacher_url, api_key))
             source = hint_source(job.teacher.hint, job.teacher.critic_url, job.teacher.critic_model)
             if recipe == "opsd" and source is not None:  # the snapshot sees a hint
                 self.hints = HintedTeacherContext(renderer, harness.initial_messages, source)
+            teacher_context: TeacherContext | None = self.hints
+            if recipe == "oprd":  # the snapshot reads reminders
+                self.reminders = ReminderTeacherContext(
+                    renderer,
+                    reminder_source(job.teacher.reminders, job.teacher.reminders_file),
+                    read_reminder_file(job.teacher.reminders_file),
+                )
+                teacher_context = None if in_process else self.reminders
+            if in_process:
+                assert self.reminders is not None
+                snapshot = AutoModelForCausalLM.from_pretrained(self.student_dir).eval()
+                snapshot.requires_grad_(False)
+                self.trainer.self_teacher = SelfTeacher(snapshot, self.reminders)
             runner = Runner(
-                harness, self.policy, renderer, config, teacher=teacher, teacher_context=self.hints
+                harness,
+                self.policy,
+                renderer,
+                config,
+                teacher=teacher,
+                teacher_context=teacher_context,
             )
             with Progress(
                 "[progress.description]{task.description}",
@@ -248,11 +274,12 @@ class LocalRun:
                 transient=True,
             ) as progress:
                 bar = progress.add_task(f"{recipe} steps", total=total, completed=self.step)
-                if teacher is not None and job.teacher.kind == "self":
+                self_teacher = job.teacher.kind == "self" and (teacher is not None or in_process)
+                if self_teacher:
                     await self._restore_teacher_snapshot(teacher)
                 while self.step < total:
                     metrics = await self._one_step(runner, tasks, recipe)
-                    if teacher is not None and job.teacher.kind == "self":
+                    if self_teacher:
                         metrics.update(await self._update_self_teacher(teacher, total))
                     history.append(metrics)
                     if on_step is not None:
@@ -302,9 +329,16 @@ class LocalRun:
             )
         if self.hints is not None:
             metrics.update(self.hints.stats.metrics())
-        if "train/opd_reverse_kl" in metrics:
-            metrics["rollout/opd_reverse_kl"] = metrics["train/opd_reverse_kl"]
-            metrics["rollout/student_gt_teacher_frac"] = metrics["train/student_gt_teacher_frac"]
+        if self.reminders is not None:
+            metrics.update(self.reminders.stats.take())
+        for key in (
+            "opd_reverse_kl",
+            "opd_reverse_kl_success",
+            "opd_reverse_kl_failure",
+            "student_gt_teacher_frac",
+        ):
+            if f"train/{key}" in metrics:
+                metrics[f"rollout/{key}"] = metrics[f"train/{key}"]
         with (self.run_dir / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps({"step": self.step, **metrics}) + "\n")
         self.step += 1
@@ -312,8 +346,11 @@ class LocalRun:
             self.save()
         return metrics
 
-    async def _update_self_teacher(self, teacher: TeacherClient, total: int) -> dict[str, float]:
-        """EMA or refresh: push new weights to the self-teacher after this step."""
+    async def _update_self_teacher(
+        self, teacher: TeacherClient | None, total: int
+    ) -> dict[str, float]:
+        """EMA or refresh: push new weights to the self-teacher (the service, or the
+        trainer's in-process copy) after this step."""
         config = self.job.teacher
         if config.snapshot == "ema":
             with torch.no_grad():
@@ -335,27 +372,36 @@ class LocalRun:
         return {}
 
     async def _push_teacher(
-        self, teacher: TeacherClient, weights: dict[str, Any]
+        self, teacher: TeacherClient | None, weights: dict[str, Any]
     ) -> dict[str, float]:
         directory = self.run_dir / "teacher_snapshots" / f"step_{self.step:05d}"
         directory.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(directory, state_dict=weights)
         self.tokenizer.save_pretrained(directory)
-        await teacher.reload(str(directory))
+        await self._load_teacher(teacher, directory)
         return {"teacher/snapshot_step": float(self.step)}
 
-    async def _restore_teacher_snapshot(self, teacher: TeacherClient) -> None:
+    async def _restore_teacher_snapshot(self, teacher: TeacherClient | None) -> None:
         """On resume: the teacher serves the latest snapshot taken before the checkpoint."""
         root = self.run_dir / "teacher_snapshots"
         taken = sorted(p for p in root.glob("step_*") if int(p.name[5:]) <= self.step)
         if taken:
-            await teacher.reload(str(taken[-1]))
+            await self._load_teacher(teacher, taken[-1])
 
-    @staticmethod
-    def _trainable(trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:
+    async def _load_teacher(self, teacher: TeacherClient | None, directory: Path) -> None:
+        if teacher is not None:
+            await teacher.reload(str(directory))
+        if self.trainer.self_teacher is not None:
+            snapshot = AutoModelForCausalLM.from_pretrained(directory)
+            self.trainer.self_teacher.model.load_state_dict(snapshot.state_dict())
+
+    def _trainable(self, trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:
         """Trajectories that carry a training signal; the rest are counted in metrics."""
         usable = [t for t in trajectories if t.turns]
-        if recipe in ("opd", "opsd"):
+        scored = recipe in ("opd", "opsd") or (
+            recipe == "oprd" and not teacher_in_process(self.job)  # else the trainer scores
+        )
+        if scored:
             usable = [
                 t for t in usable if all(turn.teacher_logprobs is not None for turn in t.turns)
             ]

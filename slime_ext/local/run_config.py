@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from launch.config import JobConfig
+from launch.runtime import teacher_in_process
 from rollout.tasks.arithmetic import make_tasks
 from slime_ext.local.factory import materialize
 from slime_ext.local.loop import LocalRun, embedded_teacher
@@ -45,9 +46,13 @@ def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
 @contextlib.contextmanager
 def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str | None]]:
     """(url, api key) of the teacher service the job uses, started here when embedded; for
-    OPSD a frozen snapshot of the student's initial checkpoint."""
+    OPSD (and OPRD with teacher_topk) a frozen snapshot of the student's initial checkpoint;
+    none for OPRD's in-process teacher."""
     recipe, teacher = job.algorithm.recipe, job.teacher
-    if recipe == "opsd" and teacher.kind == "self":
+    if teacher_in_process(job):
+        yield None, None
+        return
+    if recipe in ("opsd", "oprd") and teacher.kind == "self":
         snapshot = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)
         key = secrets.token_hex(16)  # reloads (ema / refresh) need an authenticated service
         with embedded_teacher(snapshot, run_dir / "teacher.log", api_key=key) as url:

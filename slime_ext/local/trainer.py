@@ -2,27 +2,38 @@
 
 The same losses as the cluster path: OPD is `reverse_kl_pg_loss` against the teacher's
 log-probs of each turn's span; RL is REINFORCE with group-normalized outcome advantages;
-SFT is `masked_nll`. Every loss is reduced per trajectory (DESIGN.md invariant 7). The
-LM head runs only on span positions, fused and chunked (`fused_lm_head`), so the
-[tokens x vocab] logits never exist whole.
+SFT is `masked_nll`. OPRD routes by outcome: success trajectories train on `masked_nll`
+(invalid turns masked), failures on the reverse KL to a reminded self-teacher, either
+`topk_shared_support_kl` against an in-process frozen copy of the student (`SelfTeacher`)
+or `teacher_topk_kl` with a tail bucket against the teacher service's top-k. Every loss
+is reduced per trajectory (DESIGN.md invariant 7). The LM head runs only on span
+positions, fused and chunked (`fused_lm_head`), so the [tokens x vocab] logits never exist
+whole.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from rollout.masking import loss_mask_for
+from rollout.reminders import teacher_view
+from rollout.runner import TeacherContext
 from rollout.trajectory import Trajectory
 from slime_ext.losses import (
+    masked_mean,
     masked_nll,
+    outcome_routed,
     reverse_kl_pg_loss,
     sampled_reverse_kl,
     teacher_topk_kl,
+    topk_shared_support_kl,
     trajectory_token_weights,
     weighted_sum,
 )
@@ -36,9 +47,9 @@ from slime_ext.turns import (
     per_turn_batch,
     trunk_then_branches,
 )
-from slime_ext.vocab_parallel import fused_lm_head, token_logprobs
+from slime_ext.vocab_parallel import PerTokenKernel, fused_lm_head, token_logprobs
 
-TrainRecipe = Literal["opd", "rl", "sft"]
+TrainRecipe = Literal["opd", "oprd", "rl", "sft"]
 
 
 class TrainerConfig(BaseModel):
@@ -60,6 +71,14 @@ class TrainerConfig(BaseModel):
     """See AlgorithmConfig.opd_loss."""
     sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"
     """See AlgorithmConfig.sequence_layout."""
+    oprd_success_weight: float = Field(default=1.0, ge=0)
+    """See AlgorithmConfig.oprd_success_weight."""
+    oprd_failure_weight: float = Field(default=1.0, ge=0)
+    """See AlgorithmConfig.oprd_failure_weight."""
+    oprd_failure_loss: Literal["shared_support", "teacher_topk"] = "shared_support"
+    """See AlgorithmConfig.oprd_failure_loss."""
+    oprd_support_k: int = Field(default=100, ge=1)
+    """See AlgorithmConfig.oprd_support_k."""
     packed_kernel: Literal["auto", "kv", "mask"] = "auto"
     """How a packed trajectory is evaluated: kv runs the trunk causally, then its branches
     on the trunk's key/value prefix (gradients flow through it), one trajectory at a time;
@@ -75,6 +94,16 @@ MASK_MAX_TOKENS = 2048
 
 class MissingTeacherScores(ValueError):
     """OPD needs the teacher's log-probs on every turn."""
+
+
+@dataclass
+class SelfTeacher:
+    """OPRD's in-process teacher: a frozen copy of the student that reads each turn through
+    `teacher_context` (the student's context with reminders) and scores the student's own
+    span there; the trainer reads its full distribution at every span position."""
+
+    model: Any
+    teacher_context: TeacherContext
 
 
 def group_advantages(trajectories: Sequence[Trajectory]) -> list[float]:
@@ -99,9 +128,15 @@ def group_advantages(trajectories: Sequence[Trajectory]) -> list[float]:
 
 
 class LocalTrainer:
-    def __init__(self, model: Any, config: TrainerConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: TrainerConfig | None = None,
+        self_teacher: SelfTeacher | None = None,
+    ) -> None:
         self.model = model
         self.config = config or TrainerConfig()
+        self.self_teacher = self_teacher
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
@@ -115,13 +150,12 @@ class LocalTrainer:
         limit = {"mask": None, "kv": 0, "auto": MASK_MAX_TOKENS}[self.config.packed_kernel]
         return packed_batch(trajectories, kind, invalid, self.pad_id, dense_mask_up_to=limit)
 
-    def _hidden_rows(self, batch: TurnBatch) -> Tensor:
+    def _hidden_rows(self, batch: TurnBatch, model: Any = None) -> Tensor:
+        model = self.model if model is None else model
         if batch.packs is not None:
-            rows = [
-                trunk_then_branches(self.model, p)[torch.tensor(p.span_rows)] for p in batch.packs
-            ]
+            rows = [trunk_then_branches(model, p)[torch.tensor(p.span_rows)] for p in batch.packs]
             return torch.cat(rows)
-        hidden = self.model.base_model(
+        hidden = model.base_model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
@@ -130,14 +164,16 @@ class LocalTrainer:
 
     def span_logprobs(self, batch: TurnBatch) -> Tensor:
         """log p_student(span token) at the configured temperature, for every span token."""
-        rows = self._hidden_rows(batch)
-        weight = self.model.get_output_embeddings().weight
+        return self._logprobs(self._hidden_rows(batch), self.model, batch.targets)
+
+    def _logprobs(self, rows: Tensor, model: Any, targets: Tensor) -> Tensor:
+        weight = model.get_output_embeddings().weight
         temperature = self.config.temperature
 
         def kernel(logits: Tensor, targets: Tensor) -> Tensor:
             return token_logprobs(logits, targets, temperature=temperature)
 
-        return fused_lm_head(kernel, rows, weight, [batch.targets], self.config.chunk_size)
+        return fused_lm_head(kernel, rows, weight, [targets], self.config.chunk_size)
 
     def teacher_topk_loss(self, batch: TurnBatch) -> Tensor:
         """Reverse KL to the teacher's top-k at every span position (fused LM head)."""
@@ -158,6 +194,8 @@ class LocalTrainer:
     def loss(
         self, trajectories: Sequence[Trajectory], recipe: TrainRecipe
     ) -> tuple[Tensor, dict[str, float]]:
+        if recipe == "oprd":
+            return self.oprd_loss(trajectories)
         kind: LossKind = "imitation" if recipe == "sft" else "kl"
         batch = self.batch(trajectories, kind)
         mask = batch.loss_mask
@@ -201,6 +239,125 @@ class LocalTrainer:
         loss = weighted_sum(per_token, weights)
         metrics["train/loss"] = float(loss.detach())
         return loss, metrics
+
+    def oprd_loss(self, trajectories: Sequence[Trajectory]) -> tuple[Tensor, dict[str, float]]:
+        """lambda_+ * mean over successes (reward > 0) of their token-mean NLL (tier-1/2 turns
+        masked) + lambda_- * mean over failures of their token-mean reverse KL to the
+        reminded teacher (tier-1/2 turns kept unless train_on_invalid_turns is off)."""
+        config = self.config
+        batch = self.batch(trajectories, "kl")
+        kl_mask = batch.loss_mask
+        imitation = torch.tensor(
+            [
+                loss_mask_for(turn.mask_tier, "imitation")
+                for t in trajectories
+                for turn in t.turns
+                for _ in turn.span_ids
+            ],
+            dtype=torch.bool,
+        )
+        success = torch.tensor([(t.reward or 0.0) > 0 for t in trajectories], dtype=torch.bool)
+        token_success = success[batch.trajectory_index]
+        rows = self._hidden_rows(batch)
+        student = self._logprobs(rows, self.model, batch.targets)
+        nll = masked_nll(student, imitation)
+        failed = (~token_success).nonzero()[:, 0]
+        failure, teacher_logprobs, metrics = self._oprd_failure(trajectories, batch, rows, failed)
+        loss, routed = outcome_routed(
+            nll.per_token,
+            failure,
+            imitation,
+            batch.trajectory_index,
+            success,
+            config.oprd_success_weight,
+            config.oprd_failure_weight,
+            failure_mask=kl_mask,
+        )
+        success_tokens = imitation & token_success
+        failure_tokens = kl_mask & ~token_success
+        metrics.update(
+            {
+                "train/loss": float(loss.detach()),
+                "train/loss_tokens": float(success_tokens.sum() + failure_tokens.sum()),
+                "train/processed_tokens": float(batch.num_processed_tokens),
+                "train/nll": float(masked_mean(nll.per_token.detach(), success_tokens)),
+                "train/success_masked_token_frac": float(
+                    masked_mean((~imitation).float(), token_success)
+                ),
+                **{f"train/{k}": float(v) for k, v in routed.items()},
+            }
+        )
+        # the sampled reverse KL (k_t at the rollout's own log-probs), overall and per branch
+        sampled = batch.sampler_logprobs if batch.sampler_logprobs is not None else student
+        overall = sampled_reverse_kl(sampled, teacher_logprobs, kl_mask).metrics
+        metrics["train/opd_reverse_kl"] = float(overall["opd_reverse_kl"])
+        metrics["train/student_gt_teacher_frac"] = float(overall["student_gt_teacher_frac"])
+        for branch, tokens in (("success", kl_mask & token_success), ("failure", failure_tokens)):
+            if tokens.any():  # an absent branch has no KL to report
+                kl = sampled_reverse_kl(sampled, teacher_logprobs, tokens).metrics
+                metrics[f"train/opd_reverse_kl_{branch}"] = float(kl["opd_reverse_kl"])
+        return loss, metrics
+
+    def _oprd_failure(
+        self, trajectories: Sequence[Trajectory], batch: TurnBatch, rows: Tensor, failed: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """The failure branch's per-token KL on the `failed` tokens (0 elsewhere), the
+        teacher's log-prob of every span token (for the sampled-KL metrics), and metrics."""
+        config, mask = self.config, batch.loss_mask
+        weight = self.model.get_output_embeddings().weight
+        temperature = config.temperature
+        per_token = torch.zeros(len(batch.targets), device=rows.device)
+        metrics: dict[str, float] = {}
+        if config.oprd_failure_loss == "shared_support":
+            teacher = self.self_teacher
+            if teacher is None:
+                raise MissingTeacherScores(
+                    "oprd_failure_loss shared_support needs the in-process teacher "
+                    "(LocalTrainer(self_teacher=...)); a teacher service gives teacher_topk"
+                )
+            views = [teacher_view(t, teacher.teacher_context) for t in trajectories]
+            teacher_batch = self.batch(views, "kl")
+            if not torch.equal(teacher_batch.targets, batch.targets):
+                raise ValueError("the teacher's spans differ from the student's (invariant 2)")
+            teacher_weight = teacher.model.get_output_embeddings().weight.detach()
+            with torch.no_grad():
+                teacher_rows = self._hidden_rows(teacher_batch, teacher.model)
+                teacher_logprobs = self._logprobs(teacher_rows, teacher.model, batch.targets)
+            support = min(config.oprd_support_k, int(weight.shape[0]))
+
+            def shared(logits: Tensor, hidden: Tensor, valid: Tensor) -> Tensor:
+                teacher_logits = hidden @ teacher_weight.t()
+                return topk_shared_support_kl(
+                    logits, teacher_logits, valid, support, temperature
+                ).per_token
+
+            tensors: list[Tensor] = [teacher_rows[failed], mask[failed]]
+            kernel: PerTokenKernel = shared
+            name = "train/shared_support_kl"
+            metrics["train/teacher_processed_tokens"] = float(teacher_batch.num_processed_tokens)
+        else:
+            if (
+                batch.teacher_topk_ids is None
+                or batch.teacher_topk_logprobs is None
+                or batch.teacher_logprobs is None
+            ):
+                raise MissingTeacherScores(
+                    "oprd_failure_loss teacher_topk needs the teacher's log-probs and top-k on "
+                    "every turn: score with teacher.top_k > 0"
+                )
+            teacher_logprobs = batch.teacher_logprobs
+
+            def topk(logits: Tensor, ids: Tensor, logprobs: Tensor, valid: Tensor) -> Tensor:
+                return teacher_topk_kl(logits, ids, logprobs, valid, temperature, True).per_token
+
+            tensors = [batch.teacher_topk_ids[failed], batch.teacher_topk_logprobs[failed]]
+            tensors.append(mask[failed])
+            kernel, name = topk, "train/teacher_topk_kl"
+        if failed.numel():
+            kl = fused_lm_head(kernel, rows[failed], weight, tensors, config.chunk_size)
+            per_token = per_token.index_add(0, failed, kl)
+            metrics[name] = float(masked_mean(kl.detach(), mask[failed]))
+        return per_token, teacher_logprobs, metrics
 
     def step(self, trajectories: Sequence[Trajectory], recipe: TrainRecipe) -> dict[str, float]:
         self.model.train()

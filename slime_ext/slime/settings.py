@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.config import JobConfig, load_config
+from launch.config import OPRD_ON_SLIME, JobConfig, load_config
 
 CONFIG_KEY = "opd_job_config"
 CONFIG_ENV = "OPD_JOB_CONFIG"
@@ -48,9 +48,12 @@ def load_job(path: str) -> JobConfig:
 
 
 def _check_against_slime(job: JobConfig, args: Any) -> None:
-    """Invariant 3: one temperature on both sides of the KL. slime divides the student's
-    logits by --rollout-temperature; the teacher server applies the temperature our
-    rollout sends, which is the job's. They must be the same number."""
+    """Recipes the hooks run; and invariant 3: one temperature on both sides of the KL.
+    slime divides the student's logits by --rollout-temperature; the teacher server
+    applies the temperature our rollout sends, which is the job's. They must be the same
+    number."""
+    if job.algorithm.recipe == "oprd":
+        raise HookConfigError(OPRD_ON_SLIME)
     slime_temperature = getattr(args, "rollout_temperature", None)
     if slime_temperature is not None and float(slime_temperature) != job.rollout.temperature:
         raise HookConfigError(
