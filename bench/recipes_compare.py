@@ -1,6 +1,6 @@
 """Recipes at equal steps on the same held-out set: OPD vs outcome RL vs SFT on teacher
-traces, and OPSD (the student's frozen snapshot with a reference hint) vs its no-hint
-control.
+traces, OPSD (the student's frozen snapshot with a reference hint) vs its no-hint
+control, and OPRD (the snapshot with rule reminders, in the trainer's process).
 
 Each recipe trains the bundled student for `--steps` steps with `--seeds` seeds (the
 seed changes sampling and data order); greedy held-out accuracy after each run; mean
@@ -9,7 +9,7 @@ step's rollout/opd_reverse_kl (the hint is what makes the snapshot differ).
 Not run by CI (tens of minutes on 2 cores).
 
     .venv/bin/python bench/recipes_compare.py [--steps 20] [--seeds 3] [--n-heldout 300]
-        [--recipes opd,rl,sft_traces,opsd,opsd_nohint]
+        [--recipes opd,rl,sft_traces,opsd,opsd_nohint,oprd]
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ def run_recipe(
     if recipe.startswith("opsd"):
         job.teacher.kind = "self"
         job.teacher.hint = "none" if recipe == "opsd_nohint" else "reference"
+    if recipe == "oprd":  # in-process snapshot with rule reminders, refreshed 20/40/60/80%
+        job.teacher.kind = "self"
+        job.teacher.hint = "none"
+        job.teacher.snapshot = "refresh"
     job.logging.wandb_mode = "disabled"
     tasks = make_tasks(4000, "train", seed=seed)
     run = LocalRun(job, student_dir, run_dir)
@@ -64,6 +68,9 @@ def run_recipe(
     elif recipe.startswith("opsd"):  # the teacher: a frozen snapshot of the student
         with embedded_teacher(student_dir, run_dir / "teacher.log") as url:
             history = asyncio.run(run.train(tasks, url))
+        FIRST_KL[(recipe, seed)] = history[0].get("rollout/opd_reverse_kl", float("nan"))
+    elif recipe == "oprd":
+        history = asyncio.run(run.train(tasks, None))
         FIRST_KL[(recipe, seed)] = history[0].get("rollout/opd_reverse_kl", float("nan"))
     else:
         asyncio.run(run.train(tasks, None))
@@ -106,7 +113,7 @@ def main() -> None:
             f"{recipe:>10}: mean {statistics.fmean(accuracies):.1%} "
             f"[{low:.1%}, {high:.1%}] over {len(accuracies)} seeds"
         )
-    for recipe in ("opsd", "opsd_nohint"):
+    for recipe in ("opsd", "opsd_nohint", "oprd"):
         kls = [v for (r, _), v in FIRST_KL.items() if r == recipe]
         if kls:
             print(f"{recipe:>11}: first-step opd_reverse_kl mean {statistics.fmean(kls):.4f}")

@@ -20,7 +20,9 @@ from launch.evaluation import EvalSettings, RunOptions, run_evaluation
 from rollout.evaluation.records import EvalResultsError, ResultStore
 from rollout.evaluation.scores import ALL_BENCHMARKS
 from rollout.tasks.mini_swe import generate_tasks, spec_of
+from tests.docker_images import daemon_problem
 from tests.scripted_policy import FAIL, HANG, Script, ScriptedPolicy, say, scripted_factory, tool
+from tests.test_swe_spec_family import calc_image  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -231,3 +233,91 @@ def test_a_run_directory_refuses_other_settings(tmp_path: Path, factory_tokenize
     dataset.write_text(dataset.read_text().replace("2 + 2", "2 + 3"))
     with pytest.raises(EvalResultsError, match="dataset_digests"):
         run_evaluation(settings, options, scripted_factory(factory_tokenizer, _math_script))
+
+
+@pytest.mark.skipif(daemon_problem() is not None, reason=f"{daemon_problem()}")
+@pytest.mark.timeout(600)
+def test_swe_eval_runs_dataset_rows_in_their_images_on_docker(
+    tmp_path: Path,
+    factory_tokenizer: Any,
+    calc_image: str,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """Generic rows (parquet) and a SWE-bench Pro row (JSONL) in their own schemas, run in
+    their image through the fleet's Docker host, graded their own way."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.test_swe_spec_family import (
+        F2P,
+        FIX_PATCH,
+        P2P,
+        PRO_SCRIPTS,
+        PYTEST,
+        TEST_PATCH,
+        image_commits,
+    )
+
+    base, fix = image_commits(calc_image)
+    generic = [
+        {
+            "instance_id": f"opd__calc-{n}",
+            "problem_statement": "add() subtracts its arguments.",
+            "image": calc_image,
+            "workdir": "/app",
+            "base_commit": base,
+            "test_command": PYTEST,
+            "test_patch": TEST_PATCH,
+            "patch": FIX_PATCH,
+            "FAIL_TO_PASS": json.dumps(F2P),
+            "PASS_TO_PASS": json.dumps(P2P),
+        }
+        for n in (1, 2)
+    ]
+    pq.write_table(pa.Table.from_pylist(generic), tmp_path / "generic.parquet")
+    pro_row = {
+        "instance_id": PRO_SCRIPTS.name,
+        "repo": "opd/calc",
+        "base_commit": base,
+        "patch": FIX_PATCH,
+        "test_patch": TEST_PATCH,
+        "problem_statement": "add() subtracts its arguments.",
+        "fail_to_pass": str(F2P),
+        "pass_to_pass": str(P2P),
+        "before_repo_set_cmd": f"git checkout {fix} -- tests/test_add.py",
+        "selected_test_files_to_run": str(["tests/test_add.py", "tests/test_sub.py"]),
+        "dockerhub_tag": "unused",
+        "image_name": calc_image,
+        "run_scripts_dir": str(PRO_SCRIPTS.parent),
+    }
+    (tmp_path / "pro.jsonl").write_text(json.dumps(pro_row) + "\n")
+    fixed = [tool("bash", command=f"git apply <<'PATCH'\n{FIX_PATCH}PATCH"), tool("submit")]
+    scripts: dict[str, Script] = {
+        "opd__calc-1": fixed,
+        "opd__calc-2": [tool("bash", command="echo hi > notes.txt"), tool("submit")],
+        PRO_SCRIPTS.name: fixed,
+    }
+    settings = EvalSettings(
+        kind="swe",
+        policy="scripted",
+        datasets=[str(tmp_path / "generic.parquet"), str(tmp_path / "pro.jsonl")],
+        max_turns=4,
+        trajectory_timeout_s=240,
+        eval_timeout_s=120,
+    )
+    outcome = run_evaluation(
+        settings,
+        RunOptions(out_dir=tmp_path / "run", concurrency=3, show_progress=False),
+        scripted_factory(factory_tokenizer, lambda t, _s: scripts[t]),
+    )
+    generic_score, pro_score, _average = outcome.scores
+    assert (generic_score.benchmark, generic_score.problems, generic_score.solved) == (
+        "generic",
+        2,
+        1,
+    )
+    assert (pro_score.benchmark, pro_score.solved, pro_score.aborts) == ("pro", 1, 0)
+    records = {r.instance_id: r for r in ResultStore(tmp_path / "run").read()}
+    assert records["opd__calc-2"].reason.startswith("1 FAIL_TO_PASS")
+    assert records[PRO_SCRIPTS.name].details["resolved"] is True
+    pro_predictions = (tmp_path / "run" / "predictions" / "pro.jsonl").read_text()
+    assert json.loads(pro_predictions)["model_patch"].startswith("diff --git")

@@ -138,12 +138,15 @@ def load_swe_dataset(source: str, kind: SWEDatasetKind = "auto", seed: int = 0) 
 
 
 def detect_swe_kind(row: Mapping[str, Any]) -> Literal["swebench", "swebench_pro", "generic"]:
-    """SWE-bench Pro rows carry lower-case fail_to_pass and Pro's own fields; SWE-bench
-    rows upper-case FAIL_TO_PASS; anything else is generic."""
-    if "FAIL_TO_PASS" in row:
-        return "swebench"
+    """SWE-bench Pro rows carry lower-case fail_to_pass and Pro's own fields; a row that
+    names its own test command (SWE-Gym / SWE-smith style) is generic; other rows with
+    upper-case FAIL_TO_PASS are SWE-bench's."""
     if "fail_to_pass" in row and ({"dockerhub_tag", "before_repo_set_cmd"} & set(row)):
         return "swebench_pro"
+    if row.get("test_command"):
+        return "generic"
+    if "FAIL_TO_PASS" in row:
+        return "swebench"
     return "generic"
 
 
