@@ -92,25 +92,26 @@ def _run(settings: EvalSettings, options: RunOptions) -> EvalOutcome:
 
 def _print_scores(outcome: EvalOutcome) -> None:
     settings = outcome.settings
-    metric = "pass@1" if settings.kind == "swe" else f"avg@{settings.samples}"
+    k = settings.samples
+    metric = "pass@1" if settings.kind == "swe" else f"avg@{k}"
     table = Table(title=f"opd eval {settings.kind}")
-    for column in ("benchmark", "n", metric, "95% CI", "net", f"pass@{settings.samples}"):
-        table.add_column(column)
-    for column in ("tool use", "turns", "aborts", "timeouts"):
-        table.add_column(column)
+    columns = ["benchmark", "n", f"{metric} [95% CI]", "net"]
+    columns += [f"pass@{k}"] if k > 1 else []
+    columns += ["tool use"] if settings.kind == "math" else []
+    columns += ["turns", "aborts", "timeouts"]
+    for column in columns:
+        table.add_column(column, overflow="fold")
     for s in outcome.scores:
-        table.add_row(
+        row = [
             s.benchmark,
             str(s.problems),
-            f"{s.pass_at_1:.1%}",
-            f"[{s.interval[0]:.1%}, {s.interval[1]:.1%}]",
+            f"{s.pass_at_1:.1%} [{s.interval[0]:.1%}, {s.interval[1]:.1%}]",
             f"{s.net_pass_at_1:.1%}",
-            f"{s.pass_at_k:.1%}",
-            f"{s.tool_use_frac:.0%}",
-            f"{s.avg_turns:.1f}",
-            str(s.aborts),
-            str(s.timeouts),
-        )
+        ]
+        row += [f"{s.pass_at_k:.1%}"] if k > 1 else []
+        row += [f"{s.tool_use_frac:.0%}"] if settings.kind == "math" else []
+        row += [f"{s.avg_turns:.1f}", str(s.aborts), str(s.timeouts)]
+        table.add_row(*row)
     console.print(table)
     console.print(
         f"ran {outcome.ran} trajectories ({outcome.resumed} already done); wrote "
