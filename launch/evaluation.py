@@ -45,6 +45,7 @@ from rollout.harness.tir import TIRConfig, TIRHarness
 from rollout.policy import Policy, SamplingParams
 from rollout.runner import Runner, RunnerConfig
 from rollout.trajectory import Task
+from sandbox.base import SandboxError
 from sandbox.fleet import Fleet, FleetConfig, HostConfig, InProcessHost
 
 EvalKind = Literal["swe", "math"]
@@ -130,6 +131,26 @@ def load_benchmarks(settings: EvalSettings, limit: int | None) -> dict[str, list
             tasks = load_swe_dataset(source, settings.swe_kind, seed=settings.seed)
         benchmarks[name] = tasks[:limit] if limit is not None else tasks
     return benchmarks
+
+
+def check_gradable(harness: SWEHarness, benchmarks: dict[str, list[Task]]) -> None:
+    """Refuse, before anything runs, instances their family cannot grade (SWE-bench Pro
+    rows without run scripts, rows without an eval script or log parser): each would
+    only count as an infrastructure abort."""
+    problems: list[str] = []
+    for name, tasks in benchmarks.items():
+        for task in tasks:
+            check = getattr(harness.family(task), "check", None)
+            if check is None:
+                continue
+            try:
+                check(task)
+            except SandboxError as err:
+                problems.append(f"{name}: {err}")
+    if problems:
+        shown = "\n  ".join(problems[:5])
+        more = f"\n  and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise ValueError(f"{len(problems)} instances cannot be graded:\n  {shown}{more}")
 
 
 def dataset_digests(datasets: Sequence[str]) -> dict[str, str]:
@@ -255,6 +276,9 @@ def run_evaluation(
     store = ResultStore(options.out_dir)
     done = store.open(settings.model_dump(mode="json"))
     jobs = pending_jobs(benchmarks, settings.samples, done)
+    harness = harness_of(settings)
+    if isinstance(harness, SWEHarness):
+        check_gradable(harness, benchmarks)
     if policy_factory is None:
         source = resolve_policy(
             settings.policy,

@@ -321,3 +321,31 @@ def test_swe_eval_runs_dataset_rows_in_their_images_on_docker(
     assert records[PRO_SCRIPTS.name].details["resolved"] is True
     pro_predictions = (tmp_path / "run" / "predictions" / "pro.jsonl").read_text()
     assert json.loads(pro_predictions)["model_patch"].startswith("diff --git")
+
+
+def test_swe_eval_refuses_instances_it_cannot_grade_before_running(
+    tmp_path: Path, factory_tokenizer: Any
+) -> None:
+    row = {
+        "instance_id": "instance_org__repo-1",
+        "repo": "org/repo",
+        "base_commit": "abc",
+        "patch": "",
+        "test_patch": "",
+        "problem_statement": "fix it",
+        "fail_to_pass": "['t::a']",
+        "pass_to_pass": "[]",
+        "before_repo_set_cmd": "git checkout abc",
+        "selected_test_files_to_run": "['t']",
+        "dockerhub_tag": "org.repo-1",
+    }
+    (tmp_path / "pro.jsonl").write_text(json.dumps(row) + "\n")
+    settings = EvalSettings(kind="swe", policy="scripted", datasets=[str(tmp_path / "pro.jsonl")])
+    policies: list[ScriptedPolicy] = []
+    with pytest.raises(ValueError, match=r"1 instances cannot be graded:\n  pro: .*run_script"):
+        run_evaluation(
+            settings,
+            RunOptions(out_dir=tmp_path / "run", show_progress=False),
+            scripted_factory(factory_tokenizer, lambda _t, _s: [tool("submit")], policies),
+        )
+    assert not policies  # nothing ran

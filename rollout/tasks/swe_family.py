@@ -59,9 +59,15 @@ class SWESpecTasks:
         """The task as a SWE-bench instance (for predictions and reports)."""
         return swebench_instance(self.spec(task))
 
+    def check(self, task: Task) -> None:
+        """Raise GradingSetupError (a SandboxError) when the task cannot be graded as
+        given (no eval script, run scripts or log parser); cheap, no sandbox."""
+        spec = self.spec(task)
+        grader_for(spec, self.graders).check(spec)
+
     async def prepare(self, task: Task, sandbox: Sandbox) -> None:
         spec = self.spec(task)
-        await asyncio.to_thread(grader_for(spec, self.graders).check, spec)
+        await asyncio.to_thread(self.check, task)
         workdir = shlex.quote(spec.workdir)
         writable = await sandbox.exec(f"test -d {workdir} -a -w {workdir}", 60)
         if not writable.ok:
