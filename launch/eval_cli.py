@@ -29,7 +29,7 @@ from launch.evaluation import EvalOutcome, EvalSettings, RunOptions, run_evaluat
 from launch.sweep import sweep_plot, sweep_table
 from rollout.evaluation.compare import compare_runs, comparison_markdown
 from rollout.evaluation.datasets import DatasetError
-from rollout.evaluation.outcomes import run_outcomes
+from rollout.evaluation.outcomes import load_run
 from rollout.evaluation.records import EvalResultsError
 
 console = Console()
@@ -261,8 +261,14 @@ def eval_math(
 
 
 def compare(
-    run_a: Annotated[Path, typer.Argument(help="Run directory A (opd eval's --out).")],
-    run_b: Annotated[Path, typer.Argument(help="Run directory B.")],
+    run_a: Annotated[
+        str,
+        typer.Argument(
+            help="Run A: opd eval's --out directory, or a swebench harness report "
+            "(benchmark=report.json)."
+        ),
+    ],
+    run_b: Annotated[str, typer.Argument(help="Run B, the same way.")],
     out: Annotated[
         Path | None, typer.Option(help="Where the comparison report goes (default: print only).")
     ] = None,
@@ -274,7 +280,7 @@ def compare(
     check that each run's headline difference equals only A - only B (runs whose instance
     sets or counts disagree are flagged). Exit status 1 when they do not reconcile."""
     try:
-        comparison = compare_runs(run_outcomes(run_a), run_outcomes(run_b))
+        comparison = compare_runs(load_run(run_a), load_run(run_b))
     except (EvalResultsError, DatasetError, FileNotFoundError) as err:
         raise _fail(str(err)) from None
     text = comparison_markdown(comparison)
@@ -308,7 +314,7 @@ def compare(
             f"compare-{out.name}",
             out,
             {"eval/comparison": table},
-            {"run_a": str(run_a), "run_b": str(run_b)},
+            {"run_a": run_a, "run_b": run_b},
         )
         console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
     if not comparison.reconciles:

@@ -149,3 +149,38 @@ def test_eval_math_reports_a_bad_dataset_row_by_number(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert "row 2 has no reference answer" in result.output
+
+
+def _swebench_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resolved: set[str], extra: list[str]
+) -> Path:
+    """A report written by swebench's own make_run_report (its schema, not ours) for
+    predictions of p1..p4; `extra`: dataset instances with no prediction."""
+    from swebench.harness.reporting import make_run_report
+
+    tmp_path.mkdir(exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    predictions = {
+        i: {"instance_id": i, "model_name_or_path": "m", "model_patch": "diff"} for i in PROBLEMS
+    }
+    for instance_id in PROBLEMS:
+        folder = tmp_path / "logs" / "run_evaluation" / "r1" / "m" / instance_id
+        folder.mkdir(parents=True)
+        report = {instance_id: {"resolved": instance_id in resolved}}
+        (folder / "report.json").write_text(json.dumps(report))
+    dataset = [{"instance_id": i} for i in [*PROBLEMS, *extra]]
+    return Path(make_run_report(predictions, dataset, "r1", report_dir=str(tmp_path)))
+
+
+def test_compare_reads_a_swebench_harness_report(
+    tmp_path: Path, factory_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours = _run(tmp_path, "ours", {"p1", "p2"}, factory_tokenizer)
+    official = _swebench_report(tmp_path, monkeypatch, {"p1", "p2", "p3"}, extra=[])
+    agrees = CliRunner().invoke(app, ["compare", f"toy={official}", str(ours)])
+    assert agrees.exit_code == 0, agrees.output  # +1 headline = only A 1 - only B 0
+    assert "| toy | 4 | 2 | 1 | 0 | 1 |" in agrees.output
+    padded = _swebench_report(tmp_path / "b", monkeypatch, {"p1"}, extra=["p5"])
+    flagged = CliRunner().invoke(app, ["compare", f"toy={padded}", str(ours)])
+    assert flagged.exit_code == 1
+    assert "reports 5 instances but has records of 4" in flagged.output
