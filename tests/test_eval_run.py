@@ -70,7 +70,12 @@ def test_swe_eval_over_mini_swe_reproduces_the_expected_table(
     assert (swe.aborts, swe.timeouts, swe.step_limited) == (1, 1, 1)
     assert swe.net_pass_at_1 == pytest.approx(2 / 5)  # the infrastructure abort left out
     assert swe.avg_turns == pytest.approx((2 + 2 + 1 + 3 + 0 + 0) / 6)
-    assert swe.reasons["empty patch"] == 1
+    assert swe.reasons == {
+        "empty patch": 1,
+        "no submission": 1,
+        "policy": 1,
+        "trajectory deadline": 1,
+    }
     # statsmodels' Wilson interval of 2/6 (tests/test_eval_stats.py checks the function)
     assert swe.interval == pytest.approx((0.0967714, 0.7000067), abs=1e-6)
 

@@ -16,6 +16,7 @@ Per benchmark, over its problems (instances) and k samples of each:
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
@@ -52,7 +53,8 @@ class BenchmarkScore(BaseModel):
     pass_without_tools: float | None
     statuses: dict[str, int]
     reasons: dict[str, int]
-    """Why trajectories were not solved (grader reasons and abort reasons), most common first."""
+    """Why trajectories were not solved (grader and abort reasons by category, see
+    `reason_category`), most common first."""
 
 
 def score(records: Sequence[EvalRecord]) -> list[BenchmarkScore]:
@@ -88,7 +90,7 @@ def score_benchmark(benchmark: str, records: Sequence[EvalRecord]) -> BenchmarkS
         )
     with_tools = [r for r in records if r.tool_calls > 0]
     without_tools = [r for r in records if r.tool_calls == 0]
-    unsolved = Counter(r.reason for r in records if not r.solved)
+    unsolved = Counter(reason_category(r.reason) for r in records if not r.solved)
     return BenchmarkScore(
         benchmark=benchmark,
         problems=len(per_problem),
@@ -153,6 +155,13 @@ def average(scores: Sequence[BenchmarkScore]) -> BenchmarkScore:
         statuses=dict(statuses),
         reasons=dict(reasons.most_common()),
     )
+
+
+def reason_category(reason: str) -> str:
+    """A reason without its particulars: the part before the first ': ', numbers as N
+    ("2 FAIL_TO_PASS and 0 PASS_TO_PASS tests did not pass: test_a, test_b" ->
+    "N FAIL_TO_PASS and N PASS_TO_PASS tests did not pass")."""
+    return re.sub(r"\d+(\.\d+)?", "N", reason.split(": ", 1)[0]).strip() or "unknown"
 
 
 def _share(records: Sequence[EvalRecord]) -> float | None:
