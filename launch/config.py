@@ -164,7 +164,10 @@ class TeacherConfig(Section):
     """embedded: `opd` starts the teacher server on 127.0.0.1; remote: a standalone
     `opd-teacher` service at `url`; self: a frozen snapshot of the student (OPSD/OPRD)."""
     model: str | None = "factory:qwen3-small"
-    """Teacher checkpoint for `embedded` (a HF directory or `factory:<preset>`)."""
+    """Teacher checkpoint: for `embedded` a HF directory or `factory:<preset>`; on a cluster
+    the HF directory `opd launch` serves on `node`. kind `self` defaults to model.student
+    (the student's initial weights: the frozen snapshot); name a copy of that checkpoint
+    (e.g. on the teacher node's local disk) to serve it from elsewhere."""
     backend: Literal["hf", "sglang"] = "hf"
     """Scoring backend of the embedded server."""
     url: str | None = None
@@ -184,12 +187,24 @@ class TeacherConfig(Section):
     """Cluster, sglang backend: SGLang's tensor-parallel size on the teacher node."""
     serve_args: list[str] = Field(default_factory=list)
     """Cluster: extra `opd-teacher serve` arguments (e.g. --max-queue 4096)."""
-    hint: Literal["reference", "critic", "none"] = "reference"
+    hint: Literal["reference", "critic", "student", "none"] = "reference"
     """OPSD: what the self-teacher's context carries: the task's reference solution (its
-    method, never the value), a critic model's hint (critic_url), or nothing (a control)."""
+    method, never the value; written before the rollout), a critic model's hint
+    (critic_url), the student's own hint (the policy that samples the rollouts, asked with
+    the critic's prompt), or nothing (a control). critic and student read the finished
+    attempt: one hint per trajectory, and its turns are scored once it ended."""
     critic_url: str | None = None
     """OpenAI-compatible base URL of the critic model (hint: critic)."""
     critic_model: str = "critic"
+    critic_api_key_env: str | None = None
+    """Name of the environment variable holding the critic endpoint's API key."""
+    hint_attempt_tokens: int = Field(default=8192, ge=16)
+    """hint critic / student: the attempt shown to the hint writer is its trajectory (actions
+    and observations, as the student's chat template renders them), cut to its last this
+    many tokens (where it ended)."""
+    hint_max_new_tokens: int = Field(default=1024, ge=1)
+    """hint student: the generation budget of the student's hint, its think included (only
+    the text after the think is the hint; a hint cut off by the budget is not used)."""
     reminders: str = "rules"
     """OPRD: where the self-teacher's reminders come from: rules (task-level global
     reminders, and per observation: errors, failing tests, repeated and invalid actions;
@@ -202,7 +217,8 @@ class TeacherConfig(Section):
     """Self-teachers (OPSD/OPRD): the student's initial weights throughout (fixed), an
     exponential moving average of the student (ema), or the student's weights copied in at
     the fractions of training in `refresh_at` (refresh); the service reloads them (or the
-    trainer's in-process teacher takes them). Recipe oprd defaults to refresh."""
+    trainer's in-process teacher takes them). Recipe oprd defaults to refresh. A cluster
+    job (`opd launch`) runs fixed only: its student lives in Megatron shards."""
     refresh_at: list[float] = Field(default_factory=lambda: [0.2, 0.4, 0.6, 0.8])
     """snapshot refresh: fractions of training at which the teacher takes the student's weights."""
     ema_decay: float = Field(default=0.99, gt=0.0, lt=1.0)
@@ -343,6 +359,18 @@ class JobConfig(Section):
             raise ValueError(
                 "algorithm.oprd_failure_loss 'teacher_topk' needs the teacher's top-k: set "
                 "teacher.top_k > 0 (or use shared_support with the in-process teacher)"
+            )
+        if self.teacher.kind == "self" and "model" not in self.teacher.model_fields_set:
+            self.teacher.model = self.model.student  # the frozen snapshot's checkpoint
+        if (
+            recipe == "opsd"
+            and self.teacher.hint == "student"
+            and self.teacher.hint_max_new_tokens >= self.rollout.max_context_tokens
+        ):
+            raise ValueError(
+                f"teacher.hint_max_new_tokens ({self.teacher.hint_max_new_tokens}) leaves the "
+                "student no room for the hint prompt (task and attempt) within "
+                f"rollout.max_context_tokens ({self.rollout.max_context_tokens}): lower it"
             )
         if recipe == "opd" and self.teacher.kind == "self":
             raise ValueError(

@@ -94,12 +94,29 @@ def check_cluster(job: JobConfig) -> None:
         problems.append(OPRD_ON_SLIME)
     if recipe not in ("sft", "ssd") and job.cluster.tasks_file is None:
         problems.append("cluster.tasks_file: the training tasks (JSONL) for slime's --prompt-data")
-    if recipe in RECIPES_WITH_TEACHER and job.teacher.kind != "self":
-        if job.teacher.kind != "remote" or not job.teacher.url:
+    teacher = job.teacher
+    if recipe in RECIPES_WITH_TEACHER and recipe != "oprd":
+        if teacher.kind == "self":
+            if teacher.node is None and not teacher.url:
+                problems.append(
+                    "teacher: the self-teacher is the student's snapshot served by opd-teacher: "
+                    "set teacher.node (`opd launch` serves teacher.model there, by default "
+                    "model.student) or teacher.url (a snapshot service already running)"
+                )
+            if teacher.snapshot != "fixed":
+                problems.append(
+                    f"teacher.snapshot '{teacher.snapshot}' does not run on a cluster: the "
+                    "student's weights live in slime's Megatron shards, and nothing converts "
+                    "them to HF for the teacher's reload during the job. Use snapshot: fixed "
+                    "(the frozen initial snapshot), or train ema / refresh with the local "
+                    "trainer (`opd train`, parallel.gpus_per_node: 0)"
+                )
+        elif teacher.kind != "remote" or not teacher.url:
             problems.append(
-                "teacher: a cluster job scores with a standalone service: kind remote and url"
+                "teacher: a cluster job scores with a standalone service: kind remote and url "
+                "(or kind self for recipe opsd: the student's own snapshot)"
             )
-        if job.teacher.node is not None and job.teacher.model is None:
+        if teacher.node is not None and teacher.model is None:
             problems.append("teacher.model: the checkpoint `opd launch` serves on teacher.node")
         if job.algorithm.opd_loss != "sampled":
             problems.append(
@@ -166,8 +183,10 @@ def build_plan(
 
 
 def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
+    """The teacher service on its node: OPD's teacher model, or for OPSD (kind self) the
+    student's own initial checkpoint (the frozen snapshot), scored the same way."""
     teacher = job.teacher
-    if job.algorithm.recipe not in RECIPES_WITH_TEACHER or teacher.kind == "self":
+    if job.algorithm.recipe not in RECIPES_WITH_TEACHER:
         return []
     assert teacher.url is not None
     steps = []

@@ -3,11 +3,16 @@ for the local trainer and for the slime hooks."""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from launch.config import JobConfig
+from rollout.chat import ChatRenderer
 from rollout.harness.base import Harness
 from rollout.harness.swe import SWEHarness, SWEHarnessConfig
 from rollout.harness.tir import TIRConfig, TIRHarness
-from rollout.policy import SamplingParams
+from rollout.hints import HINTS_AFTER_ATTEMPT, HintedTeacherContext, StudentHint, hint_source
+from rollout.policy import Policy, SamplingParams
 from rollout.runner import RunnerConfig
 
 TEACHER_RECIPES = ("opd", "opsd", "oprd")
@@ -30,8 +35,14 @@ def sampling_params(job: JobConfig) -> SamplingParams:
     )
 
 
+def hint_after_attempt(job: JobConfig) -> bool:
+    """OPSD whose hint is written from the finished trajectory (critic or student)."""
+    return job.algorithm.recipe == "opsd" and job.teacher.hint in HINTS_AFTER_ATTEMPT
+
+
 def runner_config(job: JobConfig) -> RunnerConfig:
     rollout = job.rollout
+    scored = job.algorithm.recipe in TEACHER_RECIPES and not teacher_in_process(job)
     return RunnerConfig(
         concurrency=rollout.concurrency,
         max_turns=rollout.max_turns,
@@ -39,11 +50,38 @@ def runner_config(job: JobConfig) -> RunnerConfig:
         max_context_tokens=rollout.max_context_tokens,
         trajectory_timeout_s=rollout.trajectory_timeout_s,
         sampling=sampling_params(job),
-        teacher_scoring="per_turn"
-        if job.algorithm.recipe in TEACHER_RECIPES and not teacher_in_process(job)
-        else "none",
+        # a hint that reads the attempt exists only once the trajectory ended
+        teacher_scoring=("after" if hint_after_attempt(job) else "per_turn") if scored else "none",
         teacher_top_k=job.teacher.top_k,
     )
+
+
+def hinted_teacher_context(
+    job: JobConfig, renderer: ChatRenderer, initial_messages: Any, policy: Policy
+) -> HintedTeacherContext | None:
+    """OPSD: the self-teacher's hinted view of the student's contexts, from the job's hint
+    source (`policy`: the one sampling the rollouts, which writes `student` hints); None
+    for other recipes and for the no-hint control."""
+    teacher = job.teacher
+    if job.algorithm.recipe != "opsd":
+        return None
+    student = None
+    if teacher.hint == "student":
+        sampling = sampling_params(job).model_copy(
+            update={"max_new_tokens": teacher.hint_max_new_tokens}
+        )
+        student = StudentHint(policy, renderer, sampling, job.rollout.max_context_tokens)
+    key_env = teacher.critic_api_key_env
+    source = hint_source(
+        teacher.hint,
+        teacher.critic_url,
+        teacher.critic_model,
+        critic_api_key=os.environ.get(key_env) if key_env else None,
+        student=student,
+    )
+    if source is None:
+        return None
+    return HintedTeacherContext(renderer, initial_messages, source, teacher.hint_attempt_tokens)
 
 
 def harness_for(job: JobConfig) -> Harness:

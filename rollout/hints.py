@@ -1,8 +1,10 @@
 """Hints for OPSD: the teacher is a frozen snapshot of the student whose context carries a
-hint the student never sees (DESIGN.md). Sources: a reference solution, a critic model
-behind an OpenAI-compatible endpoint, or the student itself. Every hint passes a leak
-check first: a hint that states the final answer (in any common surface form) or a line of
-the gold patch is refused, counted, and the teacher scores without it.
+hint the student never sees (DESIGN.md). Sources: a reference solution (one per task,
+written before the rollout), a critic model behind an OpenAI-compatible endpoint, or the
+student itself (both read the finished attempt: one hint per trajectory, and the runner
+scores its turns once it ended). Every hint passes a leak check first: a hint that states
+the final answer (in any common surface form) or a line of the gold patch is refused,
+counted, and the teacher scores without it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from typing import Any, Protocol
 
 import httpx
 
-from rollout.chat import ChatRenderer, Message
+from rollout.chat import ChatRenderer, Message, common_prefix_len
 from rollout.harness.prompts import read_prompts
+from rollout.policy import Policy, PolicyError, SamplingParams
+from rollout.runner import TeacherContext
 from rollout.trajectory import Task, Turn
+
+HINTS_AFTER_ATTEMPT = frozenset({"critic", "student"})
+"""teacher.hint values whose source reads the finished attempt (teacher_scoring 'after')."""
 
 NUMBER = re.compile(
     r"\\d?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}"  # \frac{a}{b}
@@ -94,14 +101,29 @@ def leak_reason(hint: str, task: Task) -> str | None:
 
 
 class HintSource(Protocol):
+    reads_attempt: bool
+    """True: the hint is written after the trajectory, from its attempt (one per
+    trajectory); False: from the task alone, before the rollout (one per task)."""
+
     async def hint(self, task: Task, attempt: str | None = None) -> str | None:
         """A hint for `task` (after `attempt`, for sources that read one), or None."""
         ...
 
 
+def critic_messages(prompts: dict[str, Any], task: Task, attempt: str | None) -> list[Message]:
+    """The critic's prompt: the task and the attempt; asks for a short hint, never the answer."""
+    user = str(prompts["critic_user"]).format(task=task.prompt, attempt=attempt or "")
+    return [
+        {"role": "system", "content": str(prompts["critic_system"])},
+        {"role": "user", "content": user},
+    ]
+
+
 class ReferenceHint:
     """From the task's reference: metadata["solution"], or the arithmetic tasks'
     metadata["expression"] (the method, not the value)."""
+
+    reads_attempt = False
 
     def __init__(self) -> None:
         self.prompts = read_prompts("hints")
@@ -121,6 +143,8 @@ class ReferenceHint:
 class CriticHint:
     """A critic model behind an OpenAI-compatible /v1/chat/completions endpoint."""
 
+    reads_attempt = True
+
     def __init__(
         self,
         base_url: str,
@@ -137,14 +161,7 @@ class CriticHint:
         self.prompts = read_prompts("hints")
 
     async def hint(self, task: Task, attempt: str | None = None) -> str | None:
-        user = str(self.prompts["critic_user"]).format(task=task.prompt, attempt=attempt or "")
-        body = {
-            "model": self.model,
-            "messages": [
-                {"role": "system", "content": self.prompts["critic_system"]},
-                {"role": "user", "content": user},
-            ],
-        }
+        body = {"model": self.model, "messages": critic_messages(self.prompts, task, attempt)}
         try:
             response = await self.http.post("/v1/chat/completions", json=body)
             response.raise_for_status()
@@ -157,25 +174,100 @@ class CriticHint:
         await self.http.aclose()
 
 
+class StudentHint:
+    """The student writes its own hint: once a trajectory ended, the policy that sampled it
+    (slime's SGLang router, or the local HF model) is asked, with the critic's prompt, for a
+    hint given that attempt. Only the text after its think is the hint; none of these
+    tokens is trained on, and the student's rollout contexts never contain them."""
+
+    reads_attempt = True
+
+    def __init__(
+        self,
+        policy: Policy,
+        renderer: ChatRenderer,
+        sampling: SamplingParams,
+        max_context_tokens: int,
+    ) -> None:
+        self.policy = policy
+        # a plain chat (no tool schema): the student answers in text
+        self.renderer = ChatRenderer(
+            renderer.tokenizer,
+            tools=None,
+            think_policy=renderer.think_policy,
+            tool_call_format=renderer.tool_call_format,
+        )
+        self.sampling = sampling
+        self.max_context_tokens = max_context_tokens
+        self.prompts = read_prompts("hints")
+
+    async def hint(self, task: Task, attempt: str | None = None) -> str | None:
+        prompt_ids = self._prompt_ids(task, attempt or "")
+        try:
+            generation = await self.policy.generate(prompt_ids, self.sampling)
+        except PolicyError as err:
+            raise HintSourceError(f"the student could not write a hint: {err}") from err
+        if generation.finish_reason != "stop":  # cut off (often mid-think): not a hint
+            return None
+        output = generation.output_ids
+        output = output[self.renderer.think_len(output) :]
+        if output and output[-1] == self.renderer.eos_id:
+            output = output[:-1]
+        text = str(self.renderer.tokenizer.decode(output, skip_special_tokens=True)).strip()
+        return text or None
+
+    def _prompt_ids(self, task: Task, attempt: str) -> list[int]:
+        """The critic prompt with the attempt's tail cut to what the context budget leaves."""
+        budget = self.max_context_tokens - self.sampling.max_new_tokens
+        fixed = len(self.renderer.context_ids(critic_messages(self.prompts, task, "")))
+        attempt = tail_tokens(self.renderer, attempt, max(budget - fixed, 0))
+        return self.renderer.context_ids(critic_messages(self.prompts, task, attempt))
+
+
+def tail_tokens(renderer: ChatRenderer, text: str, max_tokens: int) -> str:
+    """`text` cut to its last `max_tokens` tokens."""
+    ids = renderer.encode(text)
+    if len(ids) <= max_tokens:
+        return text
+    return str(renderer.tokenizer.decode(ids[len(ids) - max_tokens :])) if max_tokens else ""
+
+
 def hint_source(
-    kind: str, critic_url: str | None = None, critic_model: str = "critic"
+    kind: str,
+    critic_url: str | None = None,
+    critic_model: str = "critic",
+    *,
+    critic_api_key: str | None = None,
+    student: StudentHint | None = None,
 ) -> HintSource | None:
     """The source a job's teacher.hint names: reference, critic (an OpenAI-compatible
-    endpoint) or none (the no-hint control)."""
+    endpoint), student (`student`: the rollout policy asked for a hint) or none (the no-hint
+    control)."""
     if kind == "none":
         return None
     if kind == "critic":
         if not critic_url:
             raise ValueError("hint 'critic' needs critic_url")
-        return CriticHint(critic_url, critic_model)
+        return CriticHint(critic_url, critic_model, api_key=critic_api_key)
+    if kind == "student":
+        if student is None:
+            raise ValueError("hint 'student' needs the policy that samples the rollouts")
+        return student
+    if kind != "reference":
+        raise ValueError(f"unknown hint source {kind!r}: reference, critic, student or none")
     return ReferenceHint()
 
 
 @dataclass
 class HintStats:
+    """Counts per hint asked for: one per task (reference) or per trajectory (critic,
+    student), since the run started."""
+
     hints: int = 0
     refused: int = 0
     missing: int = 0
+    errors: int = 0
+    """The source failed (the critic's endpoint, the student's policy): scored without."""
     hint_tokens: list[int] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
@@ -184,43 +276,88 @@ class HintStats:
             "rollout/hint_count": float(self.hints),
             "rollout/hint_leak_refusals": float(self.refused),
             "rollout/hint_missing": float(self.missing),
+            "rollout/hint_errors": float(self.errors),
             "rollout/hint_tokens": sum(lengths) / len(lengths) if lengths else 0.0,
         }
 
 
 class HintedTeacherContext:
-    """The runner's teacher_context for OPSD: the student's context with the task's hint
-    appended to its last initial user message. Hints are fetched ahead (`prepare`), so the
-    mapping itself is synchronous and deterministic per task."""
+    """The runner's teacher_context for OPSD: the student's context with the hint appended
+    to its last initial user message. Task-level hints are fetched ahead (`prepare`);
+    hints that read the attempt are fetched once the trajectory ended (`for_trajectory`,
+    which the runner awaits before scoring). The mapping itself is synchronous."""
 
-    def __init__(self, renderer: ChatRenderer, initial_messages: Any, source: HintSource) -> None:
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        initial_messages: Any,
+        source: HintSource,
+        attempt_tokens: int = 8192,
+    ) -> None:
         self.renderer = renderer
         self.initial_messages = initial_messages
         self.source = source
+        self.reads_attempt = source.reads_attempt
+        self.attempt_tokens = attempt_tokens
         self.prompts = read_prompts("hints")
         self.hints: dict[str, str | None] = {}
         self.stats = HintStats()
 
     async def prepare(self, tasks: Sequence[Task]) -> None:
+        """Task-level hints for the coming rollouts (nothing to do for attempt readers)."""
+        if self.reads_attempt:
+            return
         for task in tasks:
-            if task.task_id in self.hints:
-                continue
-            text = await self.source.hint(task)
-            if text is None:
-                self.stats.missing += 1
-            elif leak_reason(text, task) is not None:
-                self.stats.refused += 1
-                text = None
-            else:
-                self.stats.hints += 1
-                self.stats.hint_tokens.append(len(self.renderer.encode(text)))
-            self.hints[task.task_id] = text
+            if task.task_id not in self.hints:
+                self.hints[task.task_id] = await self._checked(task, None)
+
+    async def for_trajectory(self, task: Task, messages: Sequence[Message]) -> TeacherContext:
+        """The teacher's view for one finished trajectory (`messages`: its conversation)."""
+        if not self.reads_attempt:
+            return self
+        hint = await self._checked(task, self.attempt(task, messages))
+
+        def view(task: Task, student_ids: list[int], earlier_turns: Sequence[Turn]) -> list[int]:
+            return self.with_hint(hint, task, student_ids)
+
+        return view
+
+    def attempt(self, task: Task, messages: Sequence[Message]) -> str:
+        """What the hint writer reads: the trajectory after the task (actions and
+        observations as the student's chat template renders them), its last
+        `attempt_tokens` tokens."""
+        initial = list(self.initial_messages(task))
+        prefix = self.renderer.render_ids(initial, add_generation_prompt=False)
+        whole = self.renderer.render_ids(messages, add_generation_prompt=False)
+        after = whole[common_prefix_len(prefix, whole) :][-self.attempt_tokens :]
+        # special tokens dropped: chat markers inside the hint prompt would fake turns
+        return str(self.renderer.tokenizer.decode(after, skip_special_tokens=True)).strip()
+
+    async def _checked(self, task: Task, attempt: str | None) -> str | None:
+        """The source's hint, or None (counted) when it has none, fails or leaks."""
+        try:
+            text = await self.source.hint(task, attempt)
+        except HintSourceError:
+            self.stats.errors += 1
+            return None
+        if text is None:
+            self.stats.missing += 1
+        elif leak_reason(text, task) is not None:
+            self.stats.refused += 1
+            return None
+        else:
+            self.stats.hints += 1
+            self.stats.hint_tokens.append(len(self.renderer.encode(text)))
+        return text
 
     def __call__(
         self, task: Task, student_ids: list[int], earlier_turns: Sequence[Turn] = ()
     ) -> list[int]:
-        """The teacher's view of a student context (the hint is the same for every turn)."""
-        hint = self.hints.get(task.task_id)
+        """The teacher's view of a student context (the task's hint, the same every turn)."""
+        return self.with_hint(self.hints.get(task.task_id), task, student_ids)
+
+    def with_hint(self, hint: str | None, task: Task, student_ids: list[int]) -> list[int]:
+        """`student_ids` with `hint` appended to the last initial user message."""
         if hint is None:
             return student_ids
         messages: list[Message] = [dict(m) for m in self.initial_messages(task)]

@@ -14,12 +14,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-from rollout.chat import ChatRenderer, TrajectoryBuilder
+from rollout.chat import ChatRenderer, Message, TrajectoryBuilder
 from rollout.harness.base import Episode, Harness
 from rollout.masking import MaskStats
 from rollout.policy import Policy, PolicyError, SamplingParams
@@ -31,6 +31,22 @@ from teacher_server.client import TeacherClient, TeacherError
 TeacherContext = Callable[[Task, list[int], Sequence[Turn]], list[int]]
 """Maps turn k's context ids to the teacher's (a hint or reminders inserted; identity for
 OPD), given the turns before it (their actions and observations: OPRD's reminders)."""
+
+
+@runtime_checkable
+class AttemptTeacherContext(Protocol):
+    """A teacher context that may read the finished attempt first (OPSD with a hint written
+    after the trajectory, by a critic or by the student): when `reads_attempt`, the runner
+    awaits `for_trajectory` once the episode ended and scores every turn with the view it
+    returns (teacher_scoring 'after')."""
+
+    reads_attempt: bool
+
+    def __call__(
+        self, task: Task, student_ids: list[int], earlier_turns: Sequence[Turn]
+    ) -> list[int]: ...
+
+    async def for_trajectory(self, task: Task, messages: Sequence[Message]) -> TeacherContext: ...
 
 
 class RunnerConfig(BaseModel):
@@ -83,6 +99,11 @@ class Runner:
         self.teacher_context = teacher_context or (lambda _task, ids, _turns: ids)
         if self.config.teacher_scoring != "none" and teacher is None:
             raise ValueError("teacher_scoring is set but no teacher client was given")
+        if self._reads_attempt and self.config.teacher_scoring != "after":
+            raise ValueError(
+                "the teacher context reads the finished attempt (a hint written after the "
+                "trajectory): it needs teacher_scoring 'after'"
+            )
         if self.config.teacher_scoring == "trajectory" and teacher_context is not None:
             raise ValueError(
                 "teacher_scoring 'trajectory' scores the student's own contexts; a teacher "
@@ -213,9 +234,13 @@ class Runner:
         episodes.append(episode)
         status, reason = await self._turns(task, builder, episode, scoring)
         reward = await episode.reward()
-        if self.config.teacher_scoring == "after":
+        if self.config.teacher_scoring == "after" and builder.turns:
+            view = self.teacher_context
+            if self._reads_attempt:
+                assert isinstance(self.teacher_context, AttemptTeacherContext)
+                view = await self.teacher_context.for_trajectory(task, builder.messages)
             scoring.extend(
-                asyncio.create_task(self._score(task, builder, k))
+                asyncio.create_task(self._score(task, builder, k, view))
                 for k in range(len(builder.turns))
             )
         await asyncio.gather(*scoring)
@@ -246,7 +271,11 @@ class Runner:
                 generation.model_s,
             )
             if self.config.teacher_scoring == "per_turn":
-                scoring.append(asyncio.create_task(self._score(task, builder, recorded.index)))
+                scoring.append(
+                    asyncio.create_task(
+                        self._score(task, builder, recorded.index, self.teacher_context)
+                    )
+                )
             step_started = time.perf_counter()
             outcome = await episode.step(recorded)
             sandbox_s = time.perf_counter() - step_started
@@ -265,12 +294,19 @@ class Runner:
                 return status, outcome.reason or "done"
         return TrajectoryStatus.TRUNCATED, "max turns"
 
-    async def _score(self, task: Task, builder: TrajectoryBuilder, k: int) -> None:
+    @property
+    def _reads_attempt(self) -> bool:
+        context = self.teacher_context
+        return isinstance(context, AttemptTeacherContext) and context.reads_attempt
+
+    async def _score(
+        self, task: Task, builder: TrajectoryBuilder, k: int, view: TeacherContext
+    ) -> None:
         """The teacher's log-probs of turn k's span, given the teacher's view of its context."""
         assert self.teacher is not None
         turn = builder.turns[k]
         context = builder.turn_context_ids(k)
-        teacher_context = self.teacher_context(task, context, builder.turns[:k])
+        teacher_context = view(task, context, builder.turns[:k])
         started = time.perf_counter()
         [result] = await self.teacher.score(
             [

@@ -240,6 +240,7 @@ def test_local_loop_logs_every_plotted_metric_but_slimes_own(
     run.run_dir = tmp_path
     run.step = 0
     run.hints = None
+    run.reminders = None
     model = build_model("qwen3-tiny", factory_tokenizer, seed=2)
     run.trainer = LocalTrainer(model, TrainerConfig())
     (tmp_path / "trajectories").mkdir()

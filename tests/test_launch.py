@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -26,29 +27,41 @@ from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch/configs/swe-opd-cluster.yaml"
+OPSD_EXAMPLE = ROOT / "launch/configs/swe-opsd-35b-a3b.yaml"
 GOLDEN = ROOT / "tests/data/launch"
-REGENERATE = (
-    ".venv/bin/opd launch launch/configs/swe-opd-cluster.yaml --dry-run "
-    "> tests/data/launch/swe-opd-cluster.dry-run.txt; and with --sbatch "
-    "tests/data/launch/swe-opd-cluster.sbatch"
-)
+EXAMPLES = ["swe-opd-cluster", "swe-opsd-35b-a3b"]
+"""Example configs whose plans are golden files: tests/data/launch/<name>.dry-run.txt/.sbatch."""
 
 
-def test_dry_run_of_the_reference_config_is_the_golden_plan() -> None:
-    result = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--dry-run"])
+def _regenerate(name: str) -> str:
+    return (
+        f".venv/bin/opd launch launch/configs/{name}.yaml --dry-run > "
+        f"tests/data/launch/{name}.dry-run.txt; and with --sbatch /tmp/x.sbatch copied to "
+        f"tests/data/launch/{name}.sbatch"
+    )
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_dry_run_of_the_example_config_is_the_golden_plan(name: str) -> None:
+    config = ROOT / f"launch/configs/{name}.yaml"
+    result = CliRunner().invoke(app, ["launch", str(config), "--dry-run"])
     assert result.exit_code == 0, result.output
-    golden = (GOLDEN / "swe-opd-cluster.dry-run.txt").read_text()
-    assert result.output == golden, f"the plan changed; if intended, regenerate: {REGENERATE}"
+    golden = (GOLDEN / f"{name}.dry-run.txt").read_text()
+    assert result.output == golden, (
+        f"the plan changed; if intended, regenerate: {_regenerate(name)}"
+    )
 
 
-def test_sbatch_of_the_reference_config_is_the_golden_script(tmp_path: Path) -> None:
-    out = GOLDEN / "swe-opd-cluster.sbatch"
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_sbatch_of_the_example_config_is_the_golden_script(name: str, tmp_path: Path) -> None:
+    config = ROOT / f"launch/configs/{name}.yaml"
+    out = GOLDEN / f"{name}.sbatch"
     script = tmp_path / "job.sbatch"
-    result = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--sbatch", str(script)])
+    result = CliRunner().invoke(app, ["launch", str(config), "--sbatch", str(script)])
     assert result.exit_code == 0, result.output
     # the golden file was written to /tmp/x.sbatch; only that comment line differs
     rendered = script.read_text().replace(str(script), "/tmp/x.sbatch")
-    assert rendered == out.read_text(), f"the script changed; regenerate: {REGENERATE}"
+    assert rendered == out.read_text(), f"the script changed; regenerate: {_regenerate(name)}"
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
 
 
@@ -72,6 +85,85 @@ def test_reference_plan_has_the_reference_layout() -> None:
         assert flag in submit
     [write_job] = [s for s in steps if s.name == "write job config"]
     assert yaml.safe_load(write_job.content)["teacher"]["url"] == "http://teacher-node:8000"
+
+
+def test_opsd_plan_serves_the_students_snapshot_as_the_teacher() -> None:
+    """OPSD on a cluster: the teacher node runs opd-teacher (SGLang) from the student's own
+    HF checkpoint with the API key, before Ray starts; the hooks get its URL; the MoE
+    student's expert layout reaches Megatron."""
+    job = load_config(OPSD_EXAMPLE)
+    assert job.teacher.kind == "self" and job.teacher.model == job.model.student
+    steps = build_plan(job, hosts_from_config(job))
+    names = [s.name for s in steps]
+    assert names.index("teacher service") < names.index("wait teacher") < names.index("ray head")
+    by_name = {s.name: s for s in steps}
+    sglang = by_name["teacher sglang"]
+    assert sglang.host == "teacher-node" and sglang.kind == "background"
+    assert "--model-path /models/Qwen3.5-35B-A3B --tp-size 4" in sglang.command
+    service = by_name["teacher service"].command
+    assert service.startswith("env OPD_TEACHER_API_KEY=${OPD_TEACHER_API_KEY} opd-teacher serve")
+    assert "--backend sglang --model /models/Qwen3.5-35B-A3B" in service
+    written = yaml.safe_load(by_name["write job config"].content)
+    assert written["teacher"]["url"] == "http://teacher-node:8000"
+    assert written["algorithm"]["recipe"] == "opsd" and written["teacher"]["hint"] == "critic"
+    submit = steps[-1].command
+    for flag in (
+        "--expert-model-parallel-size 8",
+        "--expert-tensor-parallel-size 1",
+        "--tensor-model-parallel-size 2",
+        "--context-parallel-size 2",
+        "--actor-num-nodes 4",
+        "--max-tokens-per-gpu 38912",
+        "--rollout-max-response-len 12288",
+        "--custom-generate-function-path slime_ext.slime.generate.generate",
+    ):
+        assert flag in submit
+    assert job.parallel.data_parallel == 4 and job.parallel.num_experts == 256
+
+
+def test_opsd_self_teacher_with_an_hf_backend_and_a_named_copy_of_the_snapshot() -> None:
+    job = _opsd_job(teacher={"backend": "hf", "model": "/local/Qwen3.5-35B-A3B"})
+    steps = build_plan(job, hosts_from_config(job))
+    service = next(s for s in steps if s.name == "teacher service").command
+    assert "--backend hf --model /local/Qwen3.5-35B-A3B" in service
+    assert "--device cuda --dtype bfloat16" in service
+    assert not any(s.name == "teacher sglang" for s in steps)
+
+
+def test_opsd_self_teacher_already_running_is_only_waited_for() -> None:
+    job = _opsd_job(teacher={"node": None, "url": "http://snapshot:9000"})
+    steps = build_plan(job, hosts_from_config(job))
+    teacher = [s for s in steps if "teacher" in s.name]
+    assert [s.name for s in teacher] == ["wait teacher", "check teacher tokenizer"]
+    assert teacher[0].command == "http://snapshot:9000/health"
+
+
+def _opsd_job(**sections: Any) -> Any:
+    base: dict[str, Any] = yaml.safe_load(OPSD_EXAMPLE.read_text())
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return config_from_dict(base)
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"teacher": {"snapshot": "refresh"}}, "snapshot 'refresh' does not run on a cluster"),
+        ({"teacher": {"snapshot": "ema"}}, r"Use snapshot: fixed"),
+        ({"teacher": {"node": None}}, "set teacher.node .* or teacher.url"),
+        ({"teacher": {"model": None}}, "teacher.model: the checkpoint"),
+        ({"teacher": {"top_k": 8}, "algorithm": {"opd_loss": "topk_tail"}}, "use sampled"),
+    ],
+)
+def test_opsd_cluster_checks_say_what_to_fix(sections: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_cluster(_opsd_job(**sections))
+
+
+def test_opsd_cluster_accepts_the_students_own_hint() -> None:
+    job = _opsd_job(teacher={"hint": "student"})
+    check_cluster(job)
+    assert job.teacher.hint == "student"
 
 
 def _cluster_job(**sections: Any) -> Any:
@@ -211,6 +303,44 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
     assert (tmp_path / "run/job.yaml").is_file() and (tmp_path / "run/hooks.yaml").is_file()
     assert (tmp_path / "run/logs/teacher-service.log").is_file()
     assert any("check teacher tokenizer" in line for line in lines)
+
+
+@pytest.mark.timeout(240)
+def test_opsd_launch_serves_the_students_checkpoint_with_the_reload_key(
+    tmp_path: Path, factory_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kind self on the fake cluster: the teacher node's opd-teacher serves the student's own
+    HF checkpoint, scores only with the API key, and takes a reload with it."""
+    job, _ = _fake_cluster(tmp_path, factory_dir, monkeypatch)
+    teacher = job.teacher.model_dump(exclude={"kind", "model", "url"})
+    job = config_from_dict(
+        {
+            **job.model_dump(mode="json"),
+            "teacher": {**teacher, "kind": "self", "api_key_env": "FAKE_TEACHER_KEY"},
+            "algorithm": {"recipe": "opsd"},
+        }
+    )
+    assert job.teacher.model == str(factory_dir)  # the student's initial checkpoint
+    monkeypatch.setenv("FAKE_TEACHER_KEY", "s3cret")
+    steps = [s for s in build_plan(job, hosts_from_config(job)) if "teacher" in s.name]
+    assert [s.name for s in steps] == ["teacher service", "wait teacher", "check teacher tokenizer"]
+    url = f"http://127.0.0.1:{job.teacher.port}"
+    try:
+        Executor(job, report=lambda _: None, wait_timeout_s=180).run(steps)
+        info = httpx.get(f"{url}/v1/info", headers={"Authorization": "Bearer s3cret"}).json()
+        assert info["model"] == str(factory_dir)
+        item = {"input_ids": [1, 2, 3, 4], "span_start": 2}
+        unauthorized = httpx.post(f"{url}/v1/score", json={"requests": [item]})
+        assert unauthorized.status_code == 401
+        reload = httpx.post(
+            f"{url}/v1/reload",
+            json={"model_dir": str(factory_dir)},
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=60,
+        )
+        assert reload.status_code == 200, reload.text
+    finally:
+        _stop_teacher(job.teacher.port)
 
 
 @pytest.mark.timeout(240)

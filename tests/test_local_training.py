@@ -291,3 +291,27 @@ def test_opsd_trains_against_a_hinted_self_teacher(tmp_path: Path, snapshot: dic
     assert pushed == expected[snapshot["snapshot"]]
     if pushed:
         assert history[0]["teacher/snapshot_step"] == 1.0
+
+
+@pytest.mark.timeout(600)
+def test_opsd_with_the_students_own_hint_trains_on_the_local_trainer(tmp_path: Path) -> None:
+    """hint: student: after each trajectory the local HF policy (the student being trained)
+    writes the hint; every trajectory asks once, and its turns are scored after it."""
+    from launch.config import config_from_dict
+    from slime_ext.local.run_config import run_local_job
+
+    job = config_from_dict(
+        {
+            "model": {"student": "factory:qwen3-tiny", "seed": 0},
+            "rollout": {"max_turns": 2, "max_new_tokens": 12, "tasks_per_step": 2},
+            "teacher": {"kind": "self", "hint": "student", "hint_max_new_tokens": 16},
+            "algorithm": {"recipe": "opsd", "steps": 1, "lr": 1e-3},
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+        }
+    )
+    [metrics] = run_local_job(job)
+    asked = sum(
+        metrics[f"rollout/hint_{key}"] for key in ("count", "leak_refusals", "missing", "errors")
+    )
+    assert asked == 2 and metrics["rollout/hint_errors"] == 0
+    assert metrics["train/trajectories_trained"] == 2 and "rollout/opd_reverse_kl" in metrics

@@ -346,3 +346,55 @@ def test_opsd_generate_hook_scores_with_a_hinted_snapshot(
         for a, b in zip(s.rollout_log_probs, s.teacher_log_probs, strict=True)
     ]
     assert any(differs)  # the hinted snapshot scores the same tokens differently
+
+
+def test_opsd_generate_hook_asks_slimes_router_for_the_students_own_hint(
+    factory_tokenizer: Any, factory_dir: Path, tmp_path: Path
+) -> None:
+    """hint: student on slime: once the trajectory ended, the hook asks the rollout router
+    (the policy that sampled it) for a hint, outside the trajectory's session; the hint
+    never enters the student's samples and is counted in the hook's stats."""
+    import httpx
+
+    from rollout.tasks.arithmetic import make_tasks
+    from slime_ext.slime import generate as generate_module
+    from teacher_server.hf_backend import HFBackend as Backend
+
+    metrics = ServerMetrics()
+    backend = Backend(factory_dir, metrics, max_context=4096)
+    task = make_tasks(1, "train", seed=3)[0]
+    with (
+        serve_in_thread(create_standin(backend.scorer.model, context_length=4096)) as router,
+        serve_in_thread(create_app(backend, metrics)) as teacher_url,
+    ):
+        host, port = router.removeprefix("http://").split(":")
+        job = tmp_path / "job.yaml"
+        job.write_text(
+            f"model:\n  tokenizer: {factory_dir}\n"
+            "rollout:\n  harness: tir\n  max_turns: 2\n  max_new_tokens: 8\n"
+            f"teacher:\n  kind: self\n  url: {teacher_url}\n  hint: student\n"
+            "  hint_max_new_tokens: 8\n"
+            "algorithm:\n  recipe: opsd\n"
+        )
+        args = slime.slime_args(
+            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
+        )
+        base = slime.Sample(
+            index=11, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
+        )
+
+        async def rollout() -> Any:
+            samples = await slime.generate_and_rm(args, base, {}, generate, reward)
+            loop = id(asyncio.get_running_loop())
+            state = generate_module._state(str(job), router, str(factory_dir), loop)
+            return samples, state
+
+        samples, state = asyncio.run(rollout())
+        headers = httpx.get(f"{router}/standin/headers").json()
+    assert samples and all(len(s.teacher_log_probs) == s.response_length for s in samples)
+    assert state.hints is not None and state.hints.reads_attempt
+    stats = state.hints.stats
+    assert stats.errors == 0 and stats.hints + stats.missing + stats.refused == 1
+    routed = [h for h in headers if "x-smg-routing-key" in h]
+    assert len(headers) - len(routed) == 1  # the hint request: no trajectory session
+    assert all("You review" not in factory_tokenizer.decode(s.tokens) for s in samples)

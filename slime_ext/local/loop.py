@@ -29,10 +29,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from launch.config import JobConfig
-from launch.runtime import runner_config, teacher_in_process
+from launch.runtime import hinted_teacher_context, runner_config, teacher_in_process
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRConfig, TIRHarness
-from rollout.hints import HintedTeacherContext, hint_source
+from rollout.hints import HintedTeacherContext
 from rollout.policy import HFPolicy
 from rollout.reminders import ReminderTeacherContext, read_reminder_file, reminder_source
 from rollout.runner import Runner, TeacherContext, rollout_metrics
@@ -241,9 +241,10 @@ class LocalRun:
                 if teacher_url is None:
                     raise ValueError(f"recipe {recipe} needs a teacher service URL")
                 teacher = await stack.enter_async_context(TeacherClient(teacher_url, api_key))
-            source = hint_source(job.teacher.hint, job.teacher.critic_url, job.teacher.critic_model)
-            if recipe == "opsd" and source is not None:  # the snapshot sees a hint
-                self.hints = HintedTeacherContext(renderer, harness.initial_messages, source)
+            # OPSD: the snapshot sees a hint (hint student: written by self.policy)
+            self.hints = hinted_teacher_context(
+                job, renderer, harness.initial_messages, self.policy
+            )
             teacher_context: TeacherContext | None = self.hints
             if recipe == "oprd":  # the snapshot reads reminders
                 self.reminders = ReminderTeacherContext(

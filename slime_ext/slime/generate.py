@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from launch.config import JobConfig
-from launch.runtime import TEACHER_RECIPES, harness_for, runner_config
+from launch.runtime import TEACHER_RECIPES, harness_for, hinted_teacher_context, runner_config
 from rollout.chat import ChatRenderer
-from rollout.hints import HintedTeacherContext, hint_source
+from rollout.hints import HintedTeacherContext
 from rollout.policy import SGLangPolicy
 from rollout.runner import Runner
 from rollout.trajectory import Task
@@ -36,7 +36,8 @@ class HookState:
     job: JobConfig
     runner: Runner
     hints: HintedTeacherContext | None = None
-    """OPSD: the self-teacher's hinted contexts (the student never sees the hint)."""
+    """OPSD: the self-teacher's hinted contexts (the student never sees the hint); its
+    `stats` count the hints given, refused for leaking, missing and failed."""
 
 
 async def generate(
@@ -118,10 +119,9 @@ def _state(path: str, router: str, checkpoint: str | None, loop_id: int) -> Hook
             )
         api_key = os.environ.get(job.teacher.api_key_env) if job.teacher.api_key_env else None
         teacher = TeacherClient(job.teacher.url, api_key, timeout_s=job.teacher.request_timeout_s)
-    hints = None
-    source = hint_source(job.teacher.hint, job.teacher.critic_url, job.teacher.critic_model)
-    if job.algorithm.recipe == "opsd" and source is not None:
-        hints = HintedTeacherContext(renderer, harness.initial_messages, source)
+    # OPSD: the hint goes into the self-teacher's contexts (hint student: slime's router
+    # writes it, the same policy that sampled the trajectory)
+    hints = hinted_teacher_context(job, renderer, harness.initial_messages, policy)
     runner = Runner(
         harness, policy, renderer, runner_config(job), teacher=teacher, teacher_context=hints
     )
