@@ -122,7 +122,7 @@ def demo(
 
 @app.command("train")
 def train(path: ConfigPath, overrides: Overrides = None) -> None:
-    """Run a job config on this machine (recipes opd, rl, sft on the TIR harness);
+    """Run a job config on this machine (recipes opd, opsd, oprd, rl, sft on the TIR harness);
     resumes from the run directory's checkpoint when there is one."""
     from slime_ext.local.run_config import run_local_job
 
