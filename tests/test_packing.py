@@ -9,6 +9,7 @@ context keeps a suffix the trunk lost, tier-masked turns.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -205,22 +206,72 @@ def test_packing_cuts_processed_tokens(model: Any) -> None:
     assert per_turn.num_processed_tokens > 2.5 * packed.num_processed_tokens
 
 
-def test_branch_groups_of_any_size_give_the_same_hidden_states(model: Any) -> None:
-    turns, trunk = [], list(range(10, 25))
-    for k in range(9):
+def _long_trajectory(turns: int = 9) -> Trajectory:
+    steps, trunk = [], list(range(10, 25))
+    for k in range(turns):
         span = [100 + 7 * k + i for i in range(5)]
-        turns.append(Turn(context_len=len(trunk), span_ids=span, think_len=2))
+        steps.append(Turn(context_len=len(trunk), span_ids=span, think_len=2))
         trunk = trunk + span[2:] + [300 + k, 301 + k]
-    trajectory = Trajectory(
+    return Trajectory(
         trajectory_id="t",
         task=Task(task_id="t", kind="synthetic", prompt="p"),
         trunk_ids=trunk,
-        turns=turns,
+        turns=steps,
         status=TrajectoryStatus.COMPLETED,
         status_reason="done",
     )
-    packed = pack_trajectory(trajectory)
+
+
+def test_branch_groups_of_any_size_give_the_same_hidden_states(model: Any) -> None:
+    packed = pack_trajectory(_long_trajectory())
     with torch.no_grad():
         one = trunk_then_branches(model, packed, group=1)
         for size in (2, 4, 9):
             assert torch.allclose(trunk_then_branches(model, packed, group=size), one, atol=ATOL)
+
+
+@settings(max_examples=20)
+@given(st.sampled_from(["drop", "keep"]).flatmap(trajectories))
+def test_the_tree_kernel_equals_plain_forwards_on_the_trunk_and_at_read_rows(
+    model: Any, trajectory: Trajectory
+) -> None:
+    """The trunk's hidden states are a plain causal forward's; asking for the span rows
+    only (the last layer then skips the trunk's unread queries) changes none of them."""
+    packed = pack_trajectory(trajectory)
+    with torch.no_grad():
+        full = trunk_then_branches(model, packed)
+        plain = model.base_model(input_ids=torch.tensor([packed.ids[: packed.trunk_len]]))
+        read = trunk_then_branches(model, packed, rows=packed.span_rows)
+    assert torch.allclose(full[: packed.trunk_len], plain.last_hidden_state[0], atol=ATOL)
+    assert torch.allclose(read, full[torch.tensor(packed.span_rows)], atol=ATOL)
+
+
+def test_plain_forwards_beside_a_packed_forward_are_unchanged(model: Any) -> None:
+    """The kernel rides on its own attention mask: the model and its config stay as they
+    are, so another thread (the teacher server scores packed trajectories beside its
+    batcher) runs plain forwards meanwhile."""
+    packed = pack_trajectory(_long_trajectory())
+    ids = torch.tensor([packed.ids[: packed.trunk_len]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        results: list[torch.Tensor] = []
+
+        def plain() -> None:
+            for _ in range(20):
+                results.append(model(input_ids=ids).logits)
+
+        worker = threading.Thread(target=plain)
+        worker.start()
+        for _ in range(20):
+            trunk_then_branches(model, packed)
+        worker.join()
+    assert model.config._attn_implementation == "sdpa"
+    assert len(results) == 20
+    assert all(torch.equal(result, expected) for result in results)
+
+
+def test_the_tree_kernel_refuses_attention_other_than_sdpa(factory_tokenizer: Any) -> None:
+    eager = build_model("qwen3-tiny", factory_tokenizer, seed=0)
+    eager.config._attn_implementation = "eager"
+    with pytest.raises(PackingUnsupported, match="sdpa"):
+        trunk_then_branches(eager, pack_trajectory(_long_trajectory()))

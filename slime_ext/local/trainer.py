@@ -84,8 +84,9 @@ class TrainerConfig(BaseModel):
     on the trunk's key/value prefix (gradients flow through it), one trajectory at a time;
     mask runs the whole batch in one forward with the [L, L] attention rule (dense on CPU:
     O(L^2) memory). auto: mask up to MASK_MAX_TOKENS per trajectory, kv beyond
-    (bench/packing.py: at 16k tokens kv is 2.8x faster than mask; on the demo's short
-    trajectories mask is 10% faster than kv)."""
+    (bench/packing.py, tree_attention kernel: on the 40-turn ~16k-token trajectory kv is
+    6.2x faster than per turn, mask 4.5x; on one demo-sized trajectory, 455 packed tokens,
+    both take the same time, and the mask batches a step's trajectories in one forward)."""
 
 
 MASK_MAX_TOKENS = 2048
@@ -153,7 +154,7 @@ class LocalTrainer:
     def _hidden_rows(self, batch: TurnBatch, model: Any = None) -> Tensor:
         model = self.model if model is None else model
         if batch.packs is not None:
-            rows = [trunk_then_branches(model, p)[torch.tensor(p.span_rows)] for p in batch.packs]
+            rows = [trunk_then_branches(model, p, rows=p.span_rows) for p in batch.packs]
             return torch.cat(rows)
         hidden = model.base_model(
             input_ids=batch.input_ids,
