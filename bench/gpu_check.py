@@ -11,6 +11,11 @@ fp32 CPU reference, and the teacher server's hf backend throughput on the GPU.
 2. Teacher: a factory checkpoint served by HFBackend on cuda in bf16: concurrent span
    scoring at max_batch_size 32 vs 1 (items/s, ratio), and its log-probs against fp32 on
    the CPU (largest difference).
+3. Tree-packed FlexAttention (slime_ext.flex_tree): a synthetic multi-turn trajectory
+   through a factory model in fp32 on the GPU, span log-probs and their gradients against
+   the trunk-then-branches kernel (exact against per-turn forwards, tests/test_packing.py);
+   fails past 1e-4 on log-probs or 1e-3 (relative) on gradients. Prints forward+backward
+   wall time of both kernels and their ratio (--device cpu: forward only, no gradients).
 Not run by CI.
 """
 
@@ -25,11 +30,14 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from slime_ext.local.factory import build_checkpoint
+from rollout.trajectory import Task, Trajectory, TrajectoryStatus, Turn
+from slime_ext.flex_tree import flex_tree
+from slime_ext.local.factory import build_checkpoint, build_model, build_tokenizer
 from slime_ext.losses import (
     generalized_jsd,
     masked_nll,
@@ -37,6 +45,7 @@ from slime_ext.losses import (
     teacher_topk_kl,
     topk_shared_support_kl,
 )
+from slime_ext.turns import pack_trajectory, trunk_then_branches
 from slime_ext.vocab_parallel import token_logprobs
 from teacher_server.api import ScoreItem
 from teacher_server.hf_backend import HFBackend
@@ -158,6 +167,79 @@ def check_teacher(requests: int, context: int, span: int, preset: str, device: s
     return diff < 0.5
 
 
+def _trajectory(turns: int, prompt: int, think: int, action: int) -> Trajectory:
+    """Think dropped: every turn's span is a branch; observations as long as actions."""
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(5, 800) for _ in range(n)]
+
+    trunk, steps = ids(prompt), []
+    for _ in range(turns):
+        span = ids(think + action)
+        steps.append(Turn(context_len=len(trunk), span_ids=span, think_len=think))
+        trunk = trunk + span[think:] + ids(action)
+    return Trajectory(
+        trajectory_id="gpu_check",
+        task=Task(task_id="gpu_check", kind="synthetic", prompt="p"),
+        trunk_ids=trunk,
+        turns=steps,
+        status=TrajectoryStatus.COMPLETED,
+        status_reason="done",
+    )
+
+
+def check_flex(turns: int, preset: str, device: str) -> bool:
+    trajectory = _trajectory(turns, prompt=256, think=96, action=32)
+    packed = pack_trajectory(trajectory)
+    model: Any = build_model(preset, build_tokenizer(), seed=0)
+    model.to(device).eval()
+    spans = [token for turn in trajectory.turns for token in turn.span_ids]
+    targets = torch.tensor(spans, device=device)
+    kernels: dict[str, Callable[..., Tensor]] = {"kv": trunk_then_branches, "flex": flex_tree}
+    training = device != "cpu"  # torch's CPU FlexAttention has no backward: forward only
+    results, times = {}, {}
+    for name, kernel in kernels.items():
+        for _ in range(2):  # the first run compiles
+            model.zero_grad()
+            started = time.perf_counter()
+            with torch.set_grad_enabled(training):
+                rows = kernel(model, packed, rows=packed.span_rows)
+                logprobs = token_logprobs(model.get_output_embeddings()(rows), targets)
+            if training:
+                logprobs.sum().backward()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name] = time.perf_counter() - started
+        grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        results[name] = (logprobs.detach(), grads)
+    (kv_logprobs, kv_grads), (flex_logprobs, flex_grads) = results["kv"], results["flex"]
+    value_err = float((flex_logprobs - kv_logprobs).abs().max())
+    grad_err = (
+        max(
+            float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+            for a, b in zip(flex_grads, kv_grads, strict=True)
+        )
+        if training
+        else 0.0
+    )
+    passed = value_err <= 1e-4 and grad_err <= 1e-3 and len(flex_grads) == len(kv_grads)
+    print(
+        f"flex tree attention ({preset}, {turns} turns, {len(packed.ids)} packed tokens, "
+        f"{device} fp32):"
+    )
+    print(
+        f"  log-probs max abs {value_err:.2e}  grad rel(max) {grad_err:.2e}  "
+        f"{'ok' if passed else 'FAIL'}"
+    )
+    step = "fwd+bwd" if training else "fwd"
+    print(
+        f"  {step}: kv {times['kv'] * 1e3:.1f} ms, flex {times['flex'] * 1e3:.1f} ms, "
+        f"kv / flex {times['kv'] / times['flex']:.2f}x"
+    )
+    return passed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,6 +250,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--span", type=int, default=256)
     parser.add_argument("--preset", default="qwen3-small")
+    parser.add_argument("--turns", type=int, default=24, help="flex check's trajectory")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -177,6 +260,7 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
     ok = check_losses(args.tokens, args.vocab, args.device)
     ok &= check_teacher(args.requests, args.context, args.span, args.preset, args.device)
+    ok &= check_flex(args.turns, args.preset, args.device)
     sys.exit(0 if ok else 1)
 
 

@@ -12,13 +12,14 @@ The layout reaches the kernel as the attention mask: a `TreeBias` tensor that ta
 `scaled_dot_product_attention` when it is the mask (as torch's own CausalBias does), so
 the model's modules and config are untouched and other threads can use the same model.
 It needs models whose attention goes through transformers' "sdpa" implementation.
+`SdpaOverride` is that mechanism for any kernel (slime_ext.flex_tree: FlexAttention).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -107,9 +108,28 @@ def tree_layout(
     )
 
 
-class TreeBias(torch.Tensor):
-    """An empty tensor standing for a TreeLayout: as the mask of
-    `scaled_dot_product_attention`, it runs `tree_attention` instead."""
+class SdpaOverride(torch.Tensor):
+    """An empty tensor that, as the mask of `scaled_dot_product_attention`, runs its class's
+    `attention` instead (called with the same arguments, itself as `attn_mask`)."""
+
+    @staticmethod
+    def __new__(cls) -> Self:
+        return torch.Tensor._make_subclass(cls, torch.empty(0, dtype=torch.bool))
+
+    @staticmethod
+    def attention(*args: Any, **kwargs: Any) -> Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return cls.attention(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class TreeBias(SdpaOverride):
+    """Stands for a TreeLayout: runs `tree_attention`."""
 
     tree: TreeLayout
     calls: int
@@ -117,17 +137,14 @@ class TreeBias(torch.Tensor):
 
     @staticmethod
     def __new__(cls, layout: TreeLayout) -> TreeBias:
-        bias = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=torch.bool))
+        bias = SdpaOverride.__new__(cls)
         bias.tree = layout
         bias.calls = 0
         return bias
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return tree_attention(*args, **kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
+    @staticmethod
+    def attention(*args: Any, **kwargs: Any) -> Tensor:
+        return tree_attention(*args, **kwargs)
 
 
 def tree_attention(
@@ -207,9 +224,14 @@ def _trunk_attention(
 def tree_forward(model: Any, ids: Tensor, positions: Tensor, layout: TreeLayout) -> Tensor:
     """Final hidden states [L, H] of the packed ids [L] at their positions [L], through the
     model's "sdpa" attention with a TreeBias mask."""
-    bias = TreeBias(layout)
-    mapping = {kind: bias for kind in set(getattr(model.config, "layer_types", None) or [])}
-    mapping.setdefault("full_attention", bias)
+    return override_forward(model, ids, positions, TreeBias(layout))
+
+
+def override_forward(model: Any, ids: Tensor, positions: Tensor, mask: SdpaOverride) -> Tensor:
+    """Final hidden states [L, H] of ids [L] at positions [L], `mask` given to every
+    attention layer of the model's "sdpa" implementation."""
+    mapping = {kind: mask for kind in set(getattr(model.config, "layer_types", None) or [])}
+    mapping.setdefault("full_attention", mask)
     out = model.base_model(
         input_ids=ids[None], position_ids=positions[None], attention_mask=mapping
     )

@@ -8,10 +8,10 @@ per-turn spans). Two layouts of the same computation:
   after context_k, seeing only context_k (the trunk's first context_len_k tokens, then the
   turn's drifted suffix when it has one) and its own earlier tokens. A span that the
   trunk already holds at those positions (think kept) is read from the trunk itself.
-  The rule is a [L, L] boolean attention mask with explicit position ids, or the
+  The rule is a [L, L] boolean attention mask with explicit position ids, the
   trunk-then-branches kernel (`trunk_then_branches`, slime_ext.tree_attention) that runs
-  it without one; only full-attention models can take either: hybrid (linear-attention)
-  models are refused.
+  it without one, or FlexAttention with a block mask (slime_ext.flex_tree); only
+  full-attention models can take any: hybrid (linear-attention) models are refused.
 
 Rows of a batch are right-padded; `span_rows` index the flattened [B * L] positions whose
 outputs predict the span tokens (the same tokens in the same order in both layouts), so a
@@ -268,16 +268,22 @@ def _span_in_trunk(trunk_ids: Sequence[int], turn: PackableTurn) -> bool:
 
 
 def attention_rule(packed: PackedSequence) -> Tensor:
-    """[L, L] bool: query i may attend to key j. Trunk keys: causal, and a branch sees only
-    its context's part of the trunk; branch keys: only the same branch's, causally."""
-    length = len(packed.ids)
-    index = torch.arange(length)
+    """[L, L] bool: query i may attend to key j (`may_attend` at every pair)."""
+    index = torch.arange(len(packed.ids))
     branch = torch.tensor(packed.branch)
     visible = torch.tensor(packed.visible_trunk)
-    causal = index[None, :] <= index[:, None]
-    trunk_key = (branch[None, :] == -1) & (index[None, :] < visible[:, None])
-    same_branch = (branch[None, :] == branch[:, None]) & (branch[None, :] != -1)
-    return causal & (trunk_key | same_branch)
+    return may_attend(index[:, None], index[None, :], branch, visible)
+
+
+def may_attend(query: Tensor, key: Tensor, branch: Tensor, visible: Tensor) -> Tensor:
+    """Whether packed position `query` may attend to `key` (broadcasting index tensors;
+    `branch` and `visible` are PackedSequence's per-position lists). Trunk keys: causal,
+    and a branch sees only its context's part of the trunk; branch keys: only the same
+    branch's, causally. Also FlexAttention's mask_mod (slime_ext.flex_tree)."""
+    key_branch = branch[key]
+    trunk_key = (key_branch == -1) & (key < visible[query])
+    same_branch = (key_branch == branch[query]) & (key_branch != -1)
+    return (key <= query) & (trunk_key | same_branch)
 
 
 def trunk_then_branches(
@@ -292,12 +298,7 @@ def trunk_then_branches(
     One branch per group does the least attention work; on the bench trajectory groups
     of 2 cost about the same, of 4 and 8 10-30% more CPU time, all 40 at once 2.5x."""
     config = model.config
-    if config._attn_implementation != "sdpa":
-        raise PackingUnsupported(
-            f"the trunk-then-branches kernel runs through SDPA; this model's attention is "
-            f"{config._attn_implementation!r}: load it with attn_implementation='sdpa' or "
-            f"use packed_kernel: mask"
-        )
+    check_sdpa(model, "the trunk-then-branches kernel")
     device = next(model.parameters()).device
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     layout = tree_layout(
@@ -314,6 +315,17 @@ def trunk_then_branches(
     positions = torch.tensor(pack.positions, device=device)
     hidden = tree_forward(model, ids, positions, layout)
     return hidden if rows is None else hidden[torch.tensor(rows, device=device)]
+
+
+def check_sdpa(model: Any, kernel: str) -> None:
+    """Refuse models whose attention does not go through SDPA (where the packed kernels
+    take over, slime_ext.tree_attention.SdpaOverride)."""
+    implementation = model.config._attn_implementation
+    if implementation != "sdpa":
+        raise PackingUnsupported(
+            f"{kernel} runs through SDPA; this model's attention is {implementation!r}: "
+            f"load it with attn_implementation='sdpa' or use packed_kernel: mask"
+        )
 
 
 def check_packable(model: object) -> None:

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Turn
+from slime_ext.flex_tree import FlexBackwardUnavailable, flex_tree
 from slime_ext.local.factory import build_model
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 from slime_ext.turns import (
@@ -91,12 +92,13 @@ def model(factory_tokenizer: Any) -> Any:
 
 def _plain_span_logprobs(model: Any, trajectory: Trajectory) -> torch.Tensor:
     values = []
-    with torch.no_grad():
-        for k, turn in enumerate(trajectory.turns):
-            context = trajectory.context_ids(k)
-            logits = model(input_ids=torch.tensor([context + turn.span_ids])).logits[0]
-            rows = torch.log_softmax(logits[len(context) - 1 : -1].float() / TEMPERATURE, -1)
-            values.append(rows.gather(-1, torch.tensor(turn.span_ids)[:, None])[:, 0])
+    device = next(model.parameters()).device
+    for k, turn in enumerate(trajectory.turns):
+        context = trajectory.context_ids(k)
+        sample = torch.tensor([context + turn.span_ids], device=device)
+        logits = model(input_ids=sample).logits[0]
+        rows = torch.log_softmax(logits[len(context) - 1 : -1].float() / TEMPERATURE, -1)
+        values.append(rows.gather(-1, sample[0, len(context) :, None])[:, 0])
     return torch.cat(values)
 
 
@@ -109,7 +111,7 @@ def _trainer(model: Any, layout: str, kernel: str = "kv") -> LocalTrainer:
     return LocalTrainer(model, config)
 
 
-@pytest.mark.parametrize("kernel", ["kv", "mask"])
+@pytest.mark.parametrize("kernel", ["kv", "mask", "flex"])
 @settings(max_examples=20)
 @given(
     st.sampled_from(["drop", "keep"]).flatmap(
@@ -120,9 +122,9 @@ def test_packed_span_logprobs_equal_plain_per_turn_forwards(
     model: Any, kernel: str, batch: list[Trajectory]
 ) -> None:
     trainer = _trainer(model, "packed", kernel)
-    with torch.no_grad():
+    with torch.no_grad():  # flex: torch's CPU FlexAttention runs forward only
         packed = trainer.span_logprobs(trainer.batch(batch, "kl"))
-    expected = torch.cat([_plain_span_logprobs(model, t) for t in batch])
+        expected = torch.cat([_plain_span_logprobs(model, t) for t in batch])
     assert packed.shape == expected.shape
     assert torch.allclose(packed, expected, atol=ATOL)
 
@@ -275,3 +277,38 @@ def test_the_tree_kernel_refuses_attention_other_than_sdpa(factory_tokenizer: An
     eager.config._attn_implementation = "eager"
     with pytest.raises(PackingUnsupported, match="sdpa"):
         trunk_then_branches(eager, pack_trajectory(_long_trajectory()))
+
+
+def test_flex_training_on_the_cpu_is_refused_naming_the_kernels_that_train(model: Any) -> None:
+    trainer = _trainer(copy.deepcopy(model), "packed", "flex")
+    with pytest.raises(FlexBackwardUnavailable, match="packed_kernel: kv"):
+        trainer.loss([_long_trajectory()], "sft")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from(["drop", "keep"]).flatmap(trajectories))
+def test_flex_span_logprobs_and_gradients_equal_plain_per_turn_forwards_on_cuda(
+    model: Any, trajectory: Trajectory
+) -> None:
+    results = []
+    for packed in (True, False):
+        on_cuda = copy.deepcopy(model).cuda()
+        if packed:
+            pack = pack_trajectory(trajectory)
+            rows = flex_tree(on_cuda, pack, rows=pack.span_rows)
+            logits = on_cuda.get_output_embeddings()(rows).float() / TEMPERATURE
+            targets = [token for turn in trajectory.turns for token in turn.span_ids]
+            ids = torch.tensor(targets, device="cuda")[:, None]
+            logprobs = torch.log_softmax(logits, -1).gather(-1, ids)[:, 0]
+        else:
+            logprobs = _plain_span_logprobs(on_cuda, trajectory)
+        weights = torch.linspace(0.5, 1.5, len(logprobs), device="cuda")
+        (logprobs * weights).sum().backward()
+        grads = [p.grad for p in on_cuda.parameters() if p.grad is not None]
+        results.append((logprobs.detach(), grads))
+    (flex_logprobs, flex_grads), (plain_logprobs, plain_grads) = results
+    assert torch.allclose(flex_logprobs, plain_logprobs, atol=ATOL)
+    assert len(flex_grads) == len(plain_grads)
+    for a, b in zip(flex_grads, plain_grads, strict=True):
+        assert torch.allclose(a, b, atol=ATOL)

@@ -26,6 +26,7 @@ from rollout.masking import loss_mask_for
 from rollout.reminders import teacher_view
 from rollout.runner import TeacherContext
 from rollout.trajectory import Trajectory
+from slime_ext.flex_tree import flex_tree
 from slime_ext.losses import (
     masked_mean,
     masked_nll,
@@ -79,14 +80,16 @@ class TrainerConfig(BaseModel):
     """See AlgorithmConfig.oprd_failure_loss."""
     oprd_support_k: int = Field(default=100, ge=1)
     """See AlgorithmConfig.oprd_support_k."""
-    packed_kernel: Literal["auto", "kv", "mask"] = "auto"
+    packed_kernel: Literal["auto", "kv", "mask", "flex"] = "auto"
     """How a packed trajectory is evaluated: kv runs the trunk causally, then its branches
     on the trunk's key/value prefix (gradients flow through it), one trajectory at a time;
     mask runs the whole batch in one forward with the [L, L] attention rule (dense on CPU:
-    O(L^2) memory). auto: mask up to MASK_MAX_TOKENS per trajectory, kv beyond
-    (bench/packing.py, tree_attention kernel: on the 40-turn ~16k-token trajectory kv is
-    6.2x faster than per turn, mask 4.5x; on one demo-sized trajectory, 455 packed tokens,
-    both take the same time, and the mask batches a step's trajectories in one forward)."""
+    O(L^2) memory); flex runs each trajectory through FlexAttention with the rule as a
+    block mask (slime_ext.flex_tree; for CUDA: torch has no CPU backward, training there
+    refuses). auto: mask up to MASK_MAX_TOKENS per trajectory, kv beyond (bench/packing.py,
+    tree_attention kernel: on the 40-turn ~16k-token trajectory kv is 6.2x faster than per
+    turn, mask 4.5x; on one demo-sized trajectory, 455 packed tokens, both take the same
+    time, and the mask batches a step's trajectories in one forward)."""
 
 
 MASK_MAX_TOKENS = 2048
@@ -148,13 +151,16 @@ class LocalTrainer:
         invalid = self.config.train_on_invalid_turns
         if self.layout == "per_turn":
             return per_turn_batch(trajectories, kind, invalid, self.pad_id)
-        limit = {"mask": None, "kv": 0, "auto": MASK_MAX_TOKENS}[self.config.packed_kernel]
+        limit = {"mask": None, "kv": 0, "flex": 0, "auto": MASK_MAX_TOKENS}[
+            self.config.packed_kernel
+        ]
         return packed_batch(trajectories, kind, invalid, self.pad_id, dense_mask_up_to=limit)
 
     def _hidden_rows(self, batch: TurnBatch, model: Any = None) -> Tensor:
         model = self.model if model is None else model
         if batch.packs is not None:
-            rows = [trunk_then_branches(model, p, rows=p.span_rows) for p in batch.packs]
+            kernel = flex_tree if self.config.packed_kernel == "flex" else trunk_then_branches
+            rows = [kernel(model, p, rows=p.span_rows) for p in batch.packs]
             return torch.cat(rows)
         hidden = model.base_model(
             input_ids=batch.input_ids,
