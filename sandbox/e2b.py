@@ -235,12 +235,29 @@ class E2BRateLimiter:
 
 
 def e2b_sandbox_factory(
-    config: E2BSandboxConfig | None = None, sdk: Any = None
-) -> Callable[[], E2BSandbox]:
-    """New (unstarted) sandboxes of one account, sharing one rate limiter."""
+    config: E2BSandboxConfig | None = None,
+    sdk: Any = None,
+    templates: Mapping[str, str] | None = None,
+) -> Callable[[str | None], E2BSandbox]:
+    """New (unstarted) sandboxes of one account, sharing one rate limiter; a harness's
+    `sandbox_factory(image)`: image None runs `config.template`, a task's Docker image runs
+    the E2B template built from it (`templates`: image -> template name or ID)."""
     config = config or E2BSandboxConfig()
     limiter = E2BRateLimiter.from_config(config)
-    return lambda: E2BSandbox(config, limiter=limiter, sdk=sdk)
+    known = dict(templates or {})
+
+    def new_sandbox(image: str | None) -> E2BSandbox:
+        if image is None:
+            return E2BSandbox(config, limiter=limiter, sdk=sdk)
+        if image not in known:
+            raise SandboxUnavailableError(
+                f"no E2B template for image {image!r}: build one from it (`e2b template "
+                "build`) and map it in e2b_sandbox_factory(templates={image: template})"
+            )
+        task_config = config.model_copy(update={"template": known[image]})
+        return E2BSandbox(task_config, limiter=limiter, sdk=sdk)
+
+    return new_sandbox
 
 
 def _default_sdk() -> Any:

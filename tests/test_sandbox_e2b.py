@@ -36,6 +36,7 @@ from sandbox import (
     SandboxFileError,
     SandboxResourceError,
     SandboxStartError,
+    SandboxUnavailableError,
 )
 from sandbox.e2b import (
     _SWEEP,
@@ -441,6 +442,27 @@ def test_concurrency_cap_holds_a_slot_from_start_to_close_against_standin(
     run(go())
 
 
+def test_factory_runs_each_task_image_as_its_template_against_standin(
+    clock: FakeClock,
+) -> None:
+    """The SWE harness asks for a sandbox of the task's image: its E2B template."""
+    cloud = standin_cloud(clock, templates=("base", "swe-astropy-1"))
+    image = "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
+    new_sandbox = e2b_sandbox_factory(config(), cloud.AsyncSandbox, {image: "swe-astropy-1"})
+
+    async def go() -> None:
+        async with new_sandbox(image), new_sandbox(None):
+            pass
+
+    try:
+        run(go())
+        assert [c["template"] for c in cloud.created] == ["swe-astropy-1", "base"]
+        with pytest.raises(SandboxUnavailableError, match="no E2B template for image 'other'"):
+            new_sandbox("other")
+    finally:
+        cloud.close()
+
+
 def test_factory_sandboxes_share_the_account_limits_against_standin(
     cloud: StandInCloud,
 ) -> None:
@@ -449,10 +471,10 @@ def test_factory_sandboxes_share_the_account_limits_against_standin(
     )
 
     async def go() -> None:
-        async with new_sandbox():
+        async with new_sandbox(None):
             with pytest.raises(SandboxResourceError, match="slots"):
-                await new_sandbox().start()
-        async with new_sandbox():  # the slot came back at close
+                await new_sandbox(None).start()
+        async with new_sandbox(None):  # the slot came back at close
             pass
 
     run(go())
