@@ -371,7 +371,8 @@ async def materialize(task: Task, sandbox: Sandbox, timeout_s: float = 60.0) -> 
 
 
 class MiniSWETasks:
-    """The mini-SWE family as the swe harness sees it (rollout.harness.swe.SWETaskFamily)."""
+    """The mini-SWE tasks as the swe harness reads them (rollout.harness.swe.SWEBenchInstanceTasks,
+    wrapped into a family by SWEBenchInstanceFamily)."""
 
     kind = KIND
 
