@@ -395,6 +395,10 @@ def test_opsd_generate_hook_asks_slimes_router_for_the_students_own_hint(
     assert state.hints is not None and state.hints.reads_attempt
     stats = state.hints.stats
     assert stats.errors == 0 and stats.hints + stats.missing + stats.refused == 1
+    logged = hook_metrics.sample_metrics(
+        samples
+    )  # what the rollout log function adds to slime's log
+    assert {k: logged[k] for k in stats.metrics()} == stats.metrics()
     routed = [h for h in headers if "x-smg-routing-key" in h]
     assert len(headers) - len(routed) == 1  # the hint request: no trajectory session
     assert all("You review" not in factory_tokenizer.decode(s.tokens) for s in samples)

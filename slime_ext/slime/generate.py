@@ -24,7 +24,7 @@ from rollout.hints import HintedTeacherContext
 from rollout.policy import SGLangPolicy
 from rollout.runner import Runner
 from rollout.trajectory import Task
-from slime_ext.slime.samples import to_samples
+from slime_ext.slime.samples import HINT_STATS_KEY, to_samples
 from slime_ext.slime.settings import HookConfigError, config_path, job_config, load_job
 from teacher_server.client import TeacherClient
 
@@ -55,6 +55,8 @@ async def generate(
     if state.hints is not None:
         await state.hints.prepare([task])
     trajectory = await state.runner.run_one(task, int(sample.index or 0))
+    if state.hints is not None:  # the hook's counts so far travel to slime's rollout log
+        trajectory.metadata[HINT_STATS_KEY] = state.hints.stats.metrics()
     recipe = job.algorithm.recipe
     samples = to_samples(
         trajectory,

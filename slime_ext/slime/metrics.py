@@ -16,7 +16,7 @@ from typing import Any
 
 from rollout.runner import summary_metrics
 from slime_ext.losses import masked_mean
-from slime_ext.slime.samples import METADATA_KEY, rollout_id_of
+from slime_ext.slime.samples import HINT_STATS_KEY, METADATA_KEY, rollout_id_of
 
 
 def log_rollout(
@@ -54,12 +54,25 @@ def sample_metrics(samples: list[Any]) -> dict[str, float]:
         kl_by_rollout[rid] = (old[0] + kl, old[1] + above, old[2] + tokens)
     metrics = summary_metrics(list(summaries.values()))
     metrics["rollout/drift_turns"] = float(sum(s.get("drift_turns", 0) for s in summaries.values()))
+    hint_stats: list[dict[str, float]] = [
+        s[HINT_STATS_KEY] for s in summaries.values() if HINT_STATS_KEY in s
+    ]
+    if hint_stats:  # counts since the run started, as the local trainer logs them: the latest
+        latest = max(hint_stats, key=_hints_asked)
+        metrics.update(latest)
     means = [(kl / n, above / n) for kl, above, n in kl_by_rollout.values() if n]
     if means:
         # per trajectory, then over trajectories (invariant 7), at the rollout's log-probs
         metrics["rollout/opd_reverse_kl"] = sum(m[0] for m in means) / len(means)
         metrics["rollout/student_gt_teacher_frac"] = sum(m[1] for m in means) / len(means)
     return metrics
+
+
+def _hints_asked(stats: dict[str, float]) -> float:
+    return sum(
+        stats.get(f"rollout/hint_{key}", 0.0)
+        for key in ("count", "leak_refusals", "missing", "errors")
+    )
 
 
 def _sampled_kl(sample: Any) -> tuple[float, float, int]:

@@ -19,6 +19,9 @@ from slime_ext.turns import LossKind
 
 METADATA_KEY = "opd"
 """Sample.metadata[METADATA_KEY]: what our metrics read back (trajectory and turn)."""
+HINT_STATS_KEY = "hint_stats"
+"""OPSD: the generate hook's hint counts (rollout/hint_*, since the run started) when the
+trajectory finished; the rollout log reports the latest of a step's samples."""
 
 
 def to_samples(
@@ -153,7 +156,12 @@ def _status(trajectory: Trajectory, base: Any) -> Any:
 
 
 def _summary(trajectory: Trajectory) -> dict[str, Any]:
-    return trajectory_summary(trajectory) | {"drift_turns": sum(t.drift for t in trajectory.turns)}
+    summary = trajectory_summary(trajectory) | {
+        "drift_turns": sum(t.drift for t in trajectory.turns)
+    }
+    if HINT_STATS_KEY in trajectory.metadata:
+        summary[HINT_STATS_KEY] = trajectory.metadata[HINT_STATS_KEY]
+    return summary
 
 
 def _turn_info(trajectory: Trajectory, k: int) -> dict[str, Any]:
