@@ -236,12 +236,12 @@ async def sandboxes_for(
 async def _run(
     settings: EvalSettings,
     options: RunOptions,
+    harness: Harness,
     benchmarks: dict[str, list[Task]],
     jobs: list[EvalJob],
     store: ResultStore,
     policy_factory: Callable[[], contextlib.AbstractAsyncContextManager[tuple[Policy, Any]]],
 ) -> None:
-    harness = harness_of(settings)
     async with contextlib.AsyncExitStack() as stack:
         policy, tokenizer = await stack.enter_async_context(policy_factory())
         if isinstance(harness, SWEHarness):
@@ -272,13 +272,13 @@ def run_evaluation(
     """Run (or resume) the evaluation into options.out_dir and write its reports.
     `policy_factory`: opens (policy, tokenizer); default: from settings.policy."""
     benchmarks = load_benchmarks(settings, options.limit)
+    harness = harness_of(settings)
+    if isinstance(harness, SWEHarness):
+        check_gradable(harness, benchmarks)
     settings = settings.model_copy(update={"dataset_digests": dataset_digests(settings.datasets)})
     store = ResultStore(options.out_dir)
     done = store.open(settings.model_dump(mode="json"))
     jobs = pending_jobs(benchmarks, settings.samples, done)
-    harness = harness_of(settings)
-    if isinstance(harness, SWEHarness):
-        check_gradable(harness, benchmarks)
     if policy_factory is None:
         source = resolve_policy(
             settings.policy,
@@ -291,8 +291,8 @@ def run_evaluation(
             return open_policy(source, settings.seed + len(done), options.concurrency)
 
     if jobs:
-        asyncio.run(_run(settings, options, benchmarks, jobs, store, policy_factory))
-    wanted = {job_key for job_key in _keys(benchmarks, settings.samples)}
+        asyncio.run(_run(settings, options, harness, benchmarks, jobs, store, policy_factory))
+    wanted = _keys(benchmarks, settings.samples)
     records = [r for r in latest_records(store.read()) if r.key in wanted]
     scores = score(records)
     reports = write_eval_report(settings, options, records, scores)

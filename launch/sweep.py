@@ -8,9 +8,10 @@ from typing import Any
 
 from launch.eval_report import Table
 from launch.evaluation import EvalOutcome
+from rollout.evaluation.scores import BenchmarkScore
 
 
-def _pooled(outcome: EvalOutcome) -> Any:
+def _pooled(outcome: EvalOutcome) -> BenchmarkScore:
     """The one benchmark's score, or the average row over several."""
     return outcome.scores[-1]
 

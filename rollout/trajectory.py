@@ -10,7 +10,7 @@ then action), and its observation. A turn whose context the trunk cannot reprodu
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -225,6 +225,26 @@ def token_accounting(trajectory: Trajectory) -> dict[str, float]:
             + sum(len(turn.context_suffix_ids) for turn in turns)
         ),
     }
+
+
+def repair_torn_tail(path: Path, parse: Callable[[bytes], object]) -> None:
+    """Make an appended JSONL file whole after a crash: a last line without its newline is
+    kept (newline added) when `parse` accepts it, cut off when it raises ValueError (a
+    pydantic ValidationError included), so its record is written again."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete == len(data):
+        return
+    try:
+        parse(data[complete:])
+    except ValueError:
+        with path.open("r+b") as handle:
+            handle.truncate(complete)
+    else:
+        with path.open("ab") as handle:
+            handle.write(b"\n")
 
 
 def write_jsonl(path: str | Path, trajectories: Iterable[Trajectory]) -> int:

@@ -32,6 +32,7 @@ from rollout.trajectory import (
     Trajectory,
     TrajectoryStatus,
     read_jsonl,
+    repair_torn_tail,
     write_jsonl,
 )
 from slime_ext.sft_data import TurnRecord, turn_records, write_records
@@ -87,17 +88,7 @@ def done_samples(path: Path) -> set[tuple[str, int]]:
     """
     if not path.is_file():
         return set()
-    data = path.read_bytes()
-    complete = data.rfind(b"\n") + 1
-    if complete < len(data):  # no newline after the last line: written in full or torn?
-        try:
-            Trajectory.from_json_line(data[complete:].decode("utf-8", errors="replace"))
-        except ValueError:  # pydantic's ValidationError included
-            with path.open("r+b") as handle:
-                handle.truncate(complete)
-        else:
-            with path.open("ab") as handle:
-                handle.write(b"\n")
+    repair_torn_tail(path, lambda line: Trajectory.from_json_line(line.decode(errors="replace")))
     return {(t.task.task_id, t.sample_index) for t in read_jsonl(path)}
 
 

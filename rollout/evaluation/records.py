@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.trajectory import Trajectory, TrajectoryStatus
+from rollout.trajectory import Trajectory, TrajectoryStatus, repair_torn_tail
 
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
@@ -133,20 +133,10 @@ class ResultStore:
         """Every record; a torn last line (a crash mid-write) is cut off the file."""
         if not self.results_path.is_file():
             return []
-        data = self.results_path.read_bytes()
-        complete = data.rfind(b"\n") + 1
-        if complete < len(data):
-            try:
-                EvalRecord.model_validate_json(data[complete:])
-            except ValidationError:
-                with self.results_path.open("r+b") as handle:
-                    handle.truncate(complete)
-                data = data[:complete]
-            else:
-                with self.results_path.open("ab") as handle:
-                    handle.write(b"\n")
+        repair_torn_tail(self.results_path, EvalRecord.model_validate_json)
+        text = self.results_path.read_text(encoding="utf-8")
         records: list[EvalRecord] = []
-        for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
