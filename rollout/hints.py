@@ -301,6 +301,8 @@ class HintedTeacherContext:
         self.attempt_tokens = attempt_tokens
         self.prompts = read_prompts("hints")
         self.hints: dict[str, str | None] = {}
+        self.outcomes: dict[str, str] = {}
+        """Per task (reference hints): hint, refused (leak), missing or error."""
         self.stats = HintStats()
 
     async def prepare(self, tasks: Sequence[Task]) -> None:
@@ -309,18 +311,15 @@ class HintedTeacherContext:
             return
         for task in tasks:
             if task.task_id not in self.hints:
-                self.hints[task.task_id] = await self._checked(task, None)
+                hint, outcome = await self._checked(task, None)
+                self.hints[task.task_id], self.outcomes[task.task_id] = hint, outcome
 
     async def for_trajectory(self, task: Task, messages: Sequence[Message]) -> TeacherContext:
         """The teacher's view for one finished trajectory (`messages`: its conversation)."""
         if not self.reads_attempt:
             return self
-        hint = await self._checked(task, self.attempt(task, messages))
-
-        def view(task: Task, student_ids: list[int], earlier_turns: Sequence[Turn]) -> list[int]:
-            return self.with_hint(hint, task, student_ids)
-
-        return view
+        hint, outcome = await self._checked(task, self.attempt(task, messages))
+        return _AttemptView(self, hint, outcome)
 
     def attempt(self, task: Task, messages: Sequence[Message]) -> str:
         """What the hint writer reads: the trajectory after the task (actions and
@@ -333,22 +332,30 @@ class HintedTeacherContext:
         # special tokens dropped: chat markers inside the hint prompt would fake turns
         return str(self.renderer.tokenizer.decode(after, skip_special_tokens=True)).strip()
 
-    async def _checked(self, task: Task, attempt: str | None) -> str | None:
-        """The source's hint, or None (counted) when it has none, fails or leaks."""
+    async def _checked(self, task: Task, attempt: str | None) -> tuple[str | None, str]:
+        """The source's hint, or None (counted) when it has none, fails or leaks; and
+        which of those it was (hint, missing, error, refused: <the leak>)."""
         try:
             text = await self.source.hint(task, attempt)
-        except HintSourceError:
+        except HintSourceError as err:
             self.stats.errors += 1
-            return None
+            return None, f"error: {err}"
         if text is None:
             self.stats.missing += 1
-        elif leak_reason(text, task) is not None:
+            return None, "missing"
+        leak = leak_reason(text, task)
+        if leak is not None:
             self.stats.refused += 1
+            return None, f"refused: {leak}"
+        self.stats.hints += 1
+        self.stats.hint_tokens.append(len(self.renderer.encode(text)))
+        return text, "hint"
+
+    def record(self, task: Task) -> dict[str, Any] | None:
+        """What the teacher saw for `task` (the trajectory's metadata["teacher_context"])."""
+        if task.task_id not in self.outcomes:
             return None
-        else:
-            self.stats.hints += 1
-            self.stats.hint_tokens.append(len(self.renderer.encode(text)))
-        return text
+        return {"hint": self.hints.get(task.task_id), "hint_outcome": self.outcomes[task.task_id]}
 
     def __call__(
         self, task: Task, student_ids: list[int], earlier_turns: Sequence[Turn] = ()
@@ -376,3 +383,20 @@ class HintedTeacherContext:
                 "the hint has no place to go (a template that rewrites earlier turns?)"
             )
         return teacher_prefix + student_ids[len(student_prefix) :]
+
+
+@dataclass
+class _AttemptView:
+    """The teacher's view for one finished trajectory: its own hint (critic, student)."""
+
+    context: HintedTeacherContext
+    hint: str | None
+    outcome: str
+
+    def __call__(
+        self, task: Task, student_ids: list[int], earlier_turns: Sequence[Turn] = ()
+    ) -> list[int]:
+        return self.context.with_hint(self.hint, task, student_ids)
+
+    def record(self, task: Task) -> dict[str, Any]:
+        return {"hint": self.hint, "hint_outcome": self.outcome}

@@ -49,6 +49,14 @@ class AttemptTeacherContext(Protocol):
     async def for_trajectory(self, task: Task, messages: Sequence[Message]) -> TeacherContext: ...
 
 
+def teacher_context_record(view: TeacherContext, task: Task) -> dict[str, Any] | None:
+    """What a teacher view added for `task` (a hint and why there was none), kept in the
+    trajectory's metadata["teacher_context"] so a run can be audited: the view's
+    `record(task)` where it has one (HintedTeacherContext and its per-attempt views)."""
+    record = getattr(view, "record", None)
+    return record(task) if callable(record) else None
+
+
 class RunnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -171,11 +179,13 @@ class Runner:
         )
         scoring: list[asyncio.Task[None]] = []
         episodes: list[Episode] = []
+        views: list[TeacherContext] = [self.teacher_context]  # the last one scored the turns
         status, reason, reward = TrajectoryStatus.TRUNCATED, "max turns", None
         started = time.monotonic()
         try:
             status, reason, reward = await asyncio.wait_for(
-                self._episode(task, builder, episodes, scoring), self.config.trajectory_timeout_s
+                self._episode(task, builder, episodes, scoring, views),
+                self.config.trajectory_timeout_s,
             )
         except (asyncio.TimeoutError, SandboxError, TeacherError, PolicyError) as error:
             status, reason = _status_for(error)
@@ -186,10 +196,12 @@ class Runner:
             await asyncio.gather(*scoring, return_exceptions=True)
             for episode in episodes:
                 await episode.close()
-        details = episodes[0].details() if episodes else None
-        trajectory = builder.finish(
-            status, reason, reward, {"episode": details} if details is not None else None
-        )
+        metadata: dict[str, Any] = {}
+        if episodes and (details := episodes[0].details()) is not None:
+            metadata["episode"] = details
+        if self.teacher is not None and (record := teacher_context_record(views[-1], task)):
+            metadata["teacher_context"] = record
+        trajectory = builder.finish(status, reason, reward, metadata or None)
         trainable = trajectory.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
         if self.config.teacher_scoring == "trajectory" and trajectory.turns and trainable:
             try:
@@ -229,6 +241,7 @@ class Runner:
         builder: TrajectoryBuilder,
         episodes: list[Episode],
         scoring: list[asyncio.Task[None]],
+        views: list[TeacherContext],
     ) -> tuple[TrajectoryStatus, str, float | None]:
         episode = await self.harness.start(task)
         episodes.append(episode)
@@ -239,6 +252,7 @@ class Runner:
             if self._reads_attempt:
                 assert isinstance(self.teacher_context, AttemptTeacherContext)
                 view = await self.teacher_context.for_trajectory(task, builder.messages)
+                views.append(view)
             scoring.extend(
                 asyncio.create_task(self._score(task, builder, k, view))
                 for k in range(len(builder.turns))

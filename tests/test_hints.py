@@ -113,6 +113,36 @@ def test_reference_hint_goes_to_the_teacher_only(factory_tokenizer: Any) -> None
         assert _contains(teacher, hint_ids[2:8])
 
 
+def test_each_trajectory_keeps_the_reference_hint_its_teacher_saw(factory_tokenizer: Any) -> None:
+    harness = TIRHarness()
+    renderer = ChatRenderer(factory_tokenizer, harness.tools)
+    hinted = HintedTeacherContext(renderer, harness.initial_messages, ReferenceHint())
+    tasks = [
+        TASKS[0].model_copy(update={"metadata": {"expression": "12 * 7 + 3"}}),
+        TASKS[1].model_copy(update={"metadata": {"solution": "the answer is 1/2"}}),  # leaks
+        TASKS[2],  # no reference: no hint
+    ]
+    teacher = RecordingTeacher([])
+    runner = Runner(
+        harness,
+        ScriptedPolicy(renderer, REPLIES),
+        renderer,
+        RunnerConfig(),
+        teacher=teacher,  # type: ignore[arg-type]
+        teacher_context=hinted,
+    )
+
+    async def run() -> list[Trajectory]:
+        await hinted.prepare(tasks)
+        return await runner.run(tasks)
+
+    records = {t.task.task_id: t.metadata["teacher_context"] for t in asyncio.run(run())}
+    assert records["mul"]["hint_outcome"] == "hint" and "12 * 7 + 3" in records["mul"]["hint"]
+    assert records["half"]["hint"] is None
+    assert records["half"]["hint_outcome"].startswith("refused: ")
+    assert records["wrong"] == {"hint": None, "hint_outcome": "missing"}
+
+
 def _contains(ids: list[int], part: list[int]) -> bool:
     return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
@@ -294,6 +324,9 @@ def test_student_hint_goes_into_the_teacher_context_only(factory_tokenizer: Any)
     for ids in policy.rollout_inputs:  # what the student sampled from
         assert not _contains(ids, hint_ids[3:12])
     assert all(turn.teacher_logprobs is not None for t in trajectories for turn in t.turns)
+    # each trajectory keeps the hint its teacher saw
+    for trajectory in trajectories:
+        assert trajectory.metadata["teacher_context"] == {"hint": HINT, "hint_outcome": "hint"}
 
 
 def test_a_leaking_student_hint_is_refused_and_counted(factory_tokenizer: Any) -> None:
@@ -307,6 +340,10 @@ def test_a_leaking_student_hint_is_refused_and_counted(factory_tokenizer: Any) -
     scored = [c for c in teacher.contexts if tuple(c) in mul_contexts]
     assert len(scored) == mul.num_turns  # the teacher read the student's own contexts
     assert not any(_contains(c, leaked) for c in teacher.contexts)
+    record = mul.metadata["teacher_context"]
+    assert record["hint"] is None and record["hint_outcome"].startswith("refused: ")
+    others = [t.metadata["teacher_context"] for t in trajectories if t is not mul]
+    assert others and all(r == {"hint": leaky, "hint_outcome": "hint"} for r in others)
 
 
 def test_a_failed_student_hint_is_counted_and_the_turns_still_scored(
@@ -315,6 +352,9 @@ def test_a_failed_student_hint_is_counted_and_the_turns_still_scored(
     trajectories, hinted, _, teacher = _student_hint_run(factory_tokenizer, HINT, fail=True)
     assert hinted.stats.errors == len(TASKS) and hinted.stats.hints == 0
     assert all(t.status.value == "completed" for t in trajectories)
+    for trajectory in trajectories:
+        record = trajectory.metadata["teacher_context"]
+        assert record["hint"] is None and "router down" in record["hint_outcome"]
     assert len(teacher.contexts) == sum(t.num_turns for t in trajectories)
 
 
