@@ -42,12 +42,30 @@ def _evaluate(expression: str) -> int:
     return int(value)
 
 
+def _family_specs(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every family by name: the default ones and each group of rephrasings."""
+    specs: dict[str, dict[str, Any]] = dict(spec["families"])
+    for group in spec["rephrased"].values():
+        specs.update(group)
+    return specs
+
+
+def rephrased_families(group: Literal["practice", "unseen"]) -> list[str]:
+    """The rephrasings in `group` (arithmetic.yaml explains what each group is for)."""
+    return sorted(_spec()["rephrased"][group])
+
+
 def make_tasks(
     count: int, split: Split, seed: int = 0, families: list[str] | None = None
 ) -> list[Task]:
-    """`count` distinct problems of `split`, deterministic by seed, families round-robin."""
+    """`count` distinct problems of `split`, deterministic by seed, families round-robin
+    (by default the five the bundled models trained on; rephrasings only when named)."""
     spec = _spec()
+    specs = _family_specs(spec)
     names = families or sorted(spec["families"])
+    unknown = sorted(set(names) - set(specs))
+    if unknown:
+        raise ValueError(f"unknown arithmetic families {unknown}; known: {sorted(specs)}")
     rng = random.Random(f"{seed}-{split}")
     tasks: list[Task] = []
     seen: set[str] = set()
@@ -57,7 +75,7 @@ def make_tasks(
         if attempts > 100 * count + 1000:
             raise ValueError(f"could not draw {count} distinct {split} problems")
         name = names[len(tasks) % len(names)]
-        family = spec["families"][name]
+        family = specs[name]
         numbers = {key: rng.randint(low, high) for key, (low, high) in family["numbers"].items()}
         for key, template in (family.get("derived") or {}).items():
             numbers[key] = _evaluate(template.format(**numbers))
