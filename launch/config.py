@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Recipe = Literal["opd", "opsd", "oprd", "ssd", "rl", "sft"]
 RECIPES_WITH_TEACHER: frozenset[str] = frozenset({"opd", "opsd", "oprd"})
@@ -217,13 +224,28 @@ class TeacherConfig(Section):
     """Self-teachers (OPSD/OPRD): the student's initial weights throughout (fixed), an
     exponential moving average of the student (ema), or the student's weights copied in at
     the fractions of training in `refresh_at` (refresh); the service reloads them (or the
-    trainer's in-process teacher takes them). Recipe oprd defaults to refresh. A cluster
-    job (`opd launch`) runs fixed only: its student lives in Megatron shards."""
+    trainer's in-process teacher takes them). Recipe oprd defaults to refresh. On a cluster
+    (`opd launch`) `opd-teacher sync` on the teacher node converts slime's checkpoints of
+    those steps to HF and reloads the service; its EMA averages the checkpoints saved every
+    `ema_sync_every` steps, not every step (teacher_server/snapshot_sync.py)."""
     refresh_at: list[float] = Field(default_factory=lambda: [0.2, 0.4, 0.6, 0.8])
     """snapshot refresh: fractions of training at which the teacher takes the student's weights."""
     ema_decay: float = Field(default=0.99, gt=0.0, lt=1.0)
     ema_sync_every: int = Field(default=5, ge=1)
     """snapshot ema: steps between pushing the average to the teacher service."""
+    snapshot_converter: str | None = None
+    """Cluster, snapshot ema / refresh: the command the teacher node runs to convert one of
+    slime's Megatron checkpoints to HF, a template with {input_dir}, {output_dir},
+    {origin_hf_dir} and {vocab_size} (shell-quoted when filled in). Default: slime's
+    tools/convert_torch_dist_to_hf.py in cluster.slime_dir, Megatron from
+    cluster.megatron_dir (the teacher node needs both, as slime's image has them)."""
+
+    @field_validator("refresh_at")
+    @classmethod
+    def _fractions_of_training(cls, refresh_at: list[float]) -> list[float]:
+        if not all(0 < f <= 1 for f in refresh_at):
+            raise ValueError("each fraction of training must lie in (0, 1]")
+        return refresh_at
 
     @model_validator(mode="after")
     def _kind_has_its_fields(self) -> TeacherConfig:

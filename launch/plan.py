@@ -13,6 +13,7 @@ config and the hooks' YAML are written there and read by the Ray job.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from launch.config import (
     JobConfig,
     config_to_yaml,
 )
+from teacher_server.snapshot_sync import converter_problem, slime_converter, snapshot_steps
 
 HOOKS = "slime_ext.slime"
 SANDBOX_RESOURCE = "opd_sandbox_host"
@@ -46,6 +48,8 @@ class Step:
     /v1/info at `command`) with the student's, when the student's is readable here."""
     content: str = ""
     """The file's text for `write` steps."""
+    note: str = ""
+    """Why the step looks the way it does, printed as a comment with the plan."""
 
 
 @dataclass(frozen=True)
@@ -104,13 +108,7 @@ def check_cluster(job: JobConfig) -> None:
                     "model.student) or teacher.url (a snapshot service already running)"
                 )
             if teacher.snapshot != "fixed":
-                problems.append(
-                    f"teacher.snapshot '{teacher.snapshot}' does not run on a cluster: the "
-                    "student's weights live in slime's Megatron shards, and nothing converts "
-                    "them to HF for the teacher's reload during the job. Use snapshot: fixed "
-                    "(the frozen initial snapshot), or train ema / refresh with the local "
-                    "trainer (`opd train`, parallel.gpus_per_node: 0)"
-                )
+                problems += _snapshot_sync_problems(job)
         elif teacher.kind != "remote" or not teacher.url:
             problems.append(
                 "teacher: a cluster job scores with a standalone service: kind remote and url "
@@ -124,6 +122,54 @@ def check_cluster(job: JobConfig) -> None:
             )
     if problems:
         raise ConfigError("not launchable on a cluster:\n  " + "\n  ".join(problems))
+
+
+def _snapshot_sync_problems(job: JobConfig) -> list[str]:
+    """What `opd-teacher sync` (ema / refresh on a cluster) needs from the config."""
+    teacher, problems = job.teacher, []
+    what = f"teacher.snapshot '{teacher.snapshot}'"
+    if teacher.node is None:
+        problems.append(
+            f"teacher.node: {what} runs `opd-teacher sync` next to the service it reloads, "
+            "on the node `opd launch` starts it on; a service at teacher.url only stays fixed"
+        )
+    if not teacher.api_key_env:
+        problems.append(
+            f"teacher.api_key_env: {what} reloads the teacher through its authenticated "
+            "/v1/reload: name the environment variable holding the service's API key"
+        )
+    if not _sync_steps(job):
+        setting = "ema_sync_every" if teacher.snapshot == "ema" else "refresh_at"
+        problems.append(
+            f"teacher.{setting}: no snapshot step before the last of algorithm.steps "
+            f"{job.algorithm.steps} (a snapshot after it scores nothing)"
+        )
+    converter = teacher.snapshot_converter
+    if converter is not None and (problem := converter_problem(converter)):
+        problems.append(f"teacher.snapshot_converter: {problem}")
+    return problems
+
+
+def _syncs_snapshot(job: JobConfig) -> bool:
+    teacher = job.teacher
+    recipe_syncs = job.algorithm.recipe in RECIPES_WITH_TEACHER and teacher.kind == "self"
+    return recipe_syncs and teacher.snapshot != "fixed"
+
+
+def _sync_steps(job: JobConfig) -> list[int]:
+    teacher = job.teacher
+    assert teacher.snapshot != "fixed"
+    return snapshot_steps(
+        teacher.snapshot, job.algorithm.steps, teacher.refresh_at, teacher.ema_sync_every
+    )
+
+
+def save_interval(job: JobConfig) -> int:
+    """slime's --save-interval: logging.save_every_steps, lowered (to the gcd) when the
+    snapshot sync needs checkpoints of other steps; slime has one interval."""
+    if not _syncs_snapshot(job):
+        return job.logging.save_every_steps
+    return math.gcd(job.logging.save_every_steps, *_sync_steps(job))
 
 
 def build_plan(
@@ -178,7 +224,8 @@ def build_plan(
             )
         )
     steps.append(_convert_step(job, hosts))
-    steps.append(Step("submit", hosts.head, _submit_command(job, hooks_yaml, run, wait_for_job)))
+    submit = _submit_command(job, hooks_yaml, run, wait_for_job)
+    steps.append(Step("submit", hosts.head, submit, note=_save_interval_note(job)))
     return steps
 
 
@@ -222,7 +269,54 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
     steps.append(
         Step("check teacher tokenizer", "local", f"{url.rstrip('/')}/v1/info", "check_tokenizer")
     )
+    if hosts.teacher is not None and _syncs_snapshot(job):
+        steps.append(_sync_step(job, hosts.teacher, run))
     return steps
+
+
+def _sync_step(job: JobConfig, host: str, run: str) -> Step:
+    """`opd-teacher sync` beside the service: slime's checkpoints of the snapshot steps,
+    converted to HF on the teacher node, reloaded into the service (ema: averaged first)."""
+    teacher, cluster = job.teacher, job.cluster
+    assert teacher.model is not None and cluster.save_dir is not None
+    converter = teacher.snapshot_converter or slime_converter(
+        cluster.slime_dir, cluster.megatron_dir
+    )
+    sync = [
+        "opd-teacher", "sync", "--mode", teacher.snapshot,
+        "--teacher-url", f"http://127.0.0.1:{teacher.port}",
+        "--save-dir", cluster.save_dir, "--work-dir", f"{run}/teacher_sync",
+        "--origin-hf-dir", teacher.model, "--steps", str(job.algorithm.steps),
+    ]  # fmt: skip
+    if teacher.snapshot == "refresh":
+        for fraction in teacher.refresh_at:
+            sync += ["--refresh-at", str(fraction)]
+    else:
+        sync += ["--ema-decay", str(teacher.ema_decay), "--ema-every", str(teacher.ema_sync_every)]
+    sync += ["--converter", converter]
+    env = f"env OPD_TEACHER_API_KEY=${{{teacher.api_key_env}}} "
+    steps = _sync_steps(job)
+    which = (
+        f"the average of the checkpoints saved every {teacher.ema_sync_every} steps (an EMA "
+        "over checkpoints)"
+        if teacher.snapshot == "ema"
+        else f"the checkpoints of steps {', '.join(map(str, steps))}"
+    )
+    note = f"reloads the teacher with {which}; exits after step {steps[-1]}"
+    return Step("teacher snapshot sync", host, env + shlex.join(sync), "background", note=note)
+
+
+def _save_interval_note(job: JobConfig) -> str:
+    if not _syncs_snapshot(job):
+        return ""
+    interval, configured = save_interval(job), job.logging.save_every_steps
+    lowered = (
+        f"lowered from logging.save_every_steps {configured} " if interval != configured else ""
+    )
+    return (
+        f"--save-interval {interval} {lowered}so that every step the teacher snapshot sync "
+        "needs is a save step"
+    )
 
 
 def _wait(url: str, timeout_s: int = 1800) -> str:
@@ -263,7 +357,7 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
         "--ref-load", str(cluster.megatron_checkpoint),
         "--load", str(cluster.save_dir),
         "--save", str(cluster.save_dir),
-        "--save-interval", str(job.logging.save_every_steps),
+        "--save-interval", str(save_interval(job)),
         "--tensor-model-parallel-size", str(layout.tp),
         "--context-parallel-size", str(layout.cp),
         "--pipeline-model-parallel-size", str(layout.pp),
@@ -353,6 +447,8 @@ def render_dry_run(steps: list[Step], log_dir: str) -> str:
     lines = []
     for number, step in enumerate(steps, start=1):
         lines.append(f"# {number}. {step.name} @ {step.host} ({step.kind})")
+        if step.note:
+            lines.append(f"# {step.note}")
         if step.kind == "write":
             lines.append(f"cat > {step.command} <<'EOF'\n{step.content.rstrip()}\nEOF")
         elif step.kind == "wait_http":
@@ -395,6 +491,8 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
     ]
     for step in steps:
         lines.append(f"# {step.name}")
+        if step.note:
+            lines.append(f"# {step.note}")
         if step.kind == "write":  # unquoted: the teacher's ${NODES[i]} expands
             lines.append(f"cat > {step.command} <<EOF\n{step.content.rstrip()}\nEOF")
         elif step.kind == "wait_http":

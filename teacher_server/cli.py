@@ -107,6 +107,91 @@ def serve(
     uvicorn.run(create_app(scoring, metrics, api_key), host=host, port=port, log_level="warning")
 
 
+@app.command()
+def sync(
+    mode: Annotated[str, typer.Option(help="ema or refresh.")],
+    save_dir: Annotated[Path, typer.Option(help="slime's --save directory (Megatron iter_*).")],
+    work_dir: Annotated[
+        Path, typer.Option(help="Converted checkpoints, the EMA, state.json, converter logs.")
+    ],
+    origin_hf_dir: Annotated[
+        Path,
+        typer.Option(help="The student's initial HF checkpoint (config, tokenizer, EMA start)."),
+    ],
+    steps: Annotated[int, typer.Option(help="Training steps of the job.")],
+    teacher_url: Annotated[str, typer.Option(help="The teacher service.")] = (
+        "http://127.0.0.1:8000"
+    ),
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="OPD_TEACHER_API_KEY", help="The service's key (or set the env var)."),
+    ] = None,
+    refresh_at: Annotated[
+        list[float] | None,
+        typer.Option(help="refresh: a fraction of training in (0, 1]; repeat for each."),
+    ] = None,
+    ema_decay: Annotated[float, typer.Option(help="ema: per-step decay.")] = 0.99,
+    ema_every: Annotated[int, typer.Option(help="ema: steps between averaged checkpoints.")] = 5,
+    converter: Annotated[
+        str,
+        typer.Option(
+            help="Command converting one checkpoint to HF, with {input_dir} {output_dir} "
+            "{origin_hf_dir} {vocab_size}. Default: slime's tools/convert_torch_dist_to_hf.py "
+            "in /root/slime with /root/Megatron-LM (slime's image)."
+        ),
+    ] = "",
+    reload_attempts: Annotated[int, typer.Option(help="Tries of one reload.")] = 5,
+    reload_backoff_s: Annotated[float, typer.Option(help="Wait after a failed try.")] = 10.0,
+    reload_timeout_s: Annotated[float, typer.Option(help="Deadline of one reload.")] = 1800.0,
+    poll_interval_s: Annotated[float, typer.Option(help="Save directory polling.")] = 30.0,
+) -> None:
+    """Follow slime's checkpoints and reload the self-teacher (OPSD ema / refresh on a
+    cluster); exits once the last snapshot step is served."""
+    import logging
+
+    from pydantic import ValidationError
+
+    from teacher_server.snapshot_sync import SnapshotSync, SyncConfig, SyncError, slime_converter
+
+    if not api_key:
+        raise typer.BadParameter(
+            "the teacher's /v1/reload needs its API key: --api-key or OPD_TEACHER_API_KEY"
+        )
+    fields: dict[str, object] = {
+        "mode": mode,
+        "teacher_url": teacher_url,
+        "api_key": api_key,
+        "save_dir": save_dir,
+        "work_dir": work_dir,
+        "origin_hf_dir": origin_hf_dir,
+        "steps": steps,
+        "ema_decay": ema_decay,
+        "ema_every": ema_every,
+        "converter": converter or slime_converter("/root/slime", "/root/Megatron-LM"),
+        "reload_attempts": reload_attempts,
+        "reload_backoff_s": reload_backoff_s,
+        "reload_timeout_s": reload_timeout_s,
+        "poll_interval_s": poll_interval_s,
+    }
+    if refresh_at:
+        fields["refresh_at"] = refresh_at
+    try:
+        config = SyncConfig.model_validate(fields)
+    except ValidationError as err:
+        problems = [
+            f"{'.'.join(map(str, e['loc'])) or 'sync'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in err.errors()
+        ]
+        typer.echo("opd-teacher sync: cannot start\n  " + "\n  ".join(problems), err=True)
+        raise typer.Exit(code=2) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        SnapshotSync(config).run()
+    except SyncError as err:
+        typer.echo(f"opd-teacher sync: failed: {err}", err=True)
+        raise typer.Exit(code=1) from None
+
+
 def _backend_name(name: str) -> Literal["hf", "sglang"]:
     if name not in ("hf", "sglang"):
         raise typer.BadParameter(f"backend must be 'hf' or 'sglang', not {name!r}")

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from launch.checks import check_tokenizers, local_tokenizer_identity
@@ -23,28 +26,37 @@ from launch.cli import app
 from launch.config import ConfigError, config_from_dict, load_config
 from launch.executor import Executor, LaunchError
 from launch.plan import Hosts, build_plan, check_cluster, hosts_from_config, render_dry_run
+from teacher_server.cli import app as teacher_cli
+from tests import megatron_converter_standin as converter_standin
 from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch/configs/swe-opd-cluster.yaml"
 OPSD_EXAMPLE = ROOT / "launch/configs/swe-opsd-35b-a3b.yaml"
 GOLDEN = ROOT / "tests/data/launch"
-EXAMPLES = ["swe-opd-cluster", "swe-opsd-35b-a3b"]
-"""Example configs whose plans are golden files: tests/data/launch/<name>.dry-run.txt/.sbatch."""
+EXAMPLES: dict[str, tuple[str, list[str]]] = {
+    "swe-opd-cluster": ("swe-opd-cluster", []),
+    "swe-opsd-35b-a3b": ("swe-opsd-35b-a3b", []),
+    "swe-opsd-35b-a3b-ema": ("swe-opsd-35b-a3b", ["--set", "teacher.snapshot=ema"]),
+}
+"""Plans that are golden files, tests/data/launch/<name>.dry-run.txt/.sbatch: an example
+config and overrides."""
 
 
 def _regenerate(name: str) -> str:
+    config, overrides = EXAMPLES[name]
+    command = f".venv/bin/opd launch launch/configs/{config}.yaml {' '.join(overrides)}"
     return (
-        f".venv/bin/opd launch launch/configs/{name}.yaml --dry-run > "
-        f"tests/data/launch/{name}.dry-run.txt; and with --sbatch /tmp/x.sbatch copied to "
-        f"tests/data/launch/{name}.sbatch"
+        f"{command} --dry-run > tests/data/launch/{name}.dry-run.txt; and with --sbatch "
+        f"/tmp/x.sbatch copied to tests/data/launch/{name}.sbatch"
     )
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_dry_run_of_the_example_config_is_the_golden_plan(name: str) -> None:
-    config = ROOT / f"launch/configs/{name}.yaml"
-    result = CliRunner().invoke(app, ["launch", str(config), "--dry-run"])
+    config, overrides = EXAMPLES[name]
+    path = ROOT / f"launch/configs/{config}.yaml"
+    result = CliRunner().invoke(app, ["launch", str(path), *overrides, "--dry-run"])
     assert result.exit_code == 0, result.output
     golden = (GOLDEN / f"{name}.dry-run.txt").read_text()
     assert result.output == golden, (
@@ -54,10 +66,11 @@ def test_dry_run_of_the_example_config_is_the_golden_plan(name: str) -> None:
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_sbatch_of_the_example_config_is_the_golden_script(name: str, tmp_path: Path) -> None:
-    config = ROOT / f"launch/configs/{name}.yaml"
+    config, overrides = EXAMPLES[name]
+    path = ROOT / f"launch/configs/{config}.yaml"
     out = GOLDEN / f"{name}.sbatch"
     script = tmp_path / "job.sbatch"
-    result = CliRunner().invoke(app, ["launch", str(config), "--sbatch", str(script)])
+    result = CliRunner().invoke(app, ["launch", str(path), *overrides, "--sbatch", str(script)])
     assert result.exit_code == 0, result.output
     # the golden file was written to /tmp/x.sbatch; only that comment line differs
     rendered = script.read_text().replace(str(script), "/tmp/x.sbatch")
@@ -148,8 +161,23 @@ def _opsd_job(**sections: Any) -> Any:
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"teacher": {"snapshot": "refresh"}}, "snapshot 'refresh' does not run on a cluster"),
-        ({"teacher": {"snapshot": "ema"}}, r"Use snapshot: fixed"),
+        (
+            {"teacher": {"snapshot": "refresh", "api_key_env": None}},
+            "teacher.api_key_env: teacher.snapshot 'refresh' reloads the teacher through its "
+            "authenticated /v1/reload",
+        ),
+        (
+            {"teacher": {"snapshot": "ema", "node": None, "url": "http://snapshot:9000"}},
+            "teacher.node: teacher.snapshot 'ema' runs `opd-teacher sync` next to the service",
+        ),
+        (
+            {"teacher": {"snapshot": "ema", "ema_sync_every": 200}},
+            "teacher.ema_sync_every: no snapshot step before the last of algorithm.steps 200",
+        ),
+        (
+            {"teacher": {"snapshot": "refresh", "snapshot_converter": "convert {input_dir}"}},
+            r"teacher.snapshot_converter: .* needs \{input_dir\} and \{output_dir\}",
+        ),
         ({"teacher": {"node": None}}, "set teacher.node .* or teacher.url"),
         ({"teacher": {"model": None}}, "teacher.model: the checkpoint"),
         ({"teacher": {"top_k": 8}, "algorithm": {"opd_loss": "topk_tail"}}, "use sampled"),
@@ -158,6 +186,71 @@ def _opsd_job(**sections: Any) -> Any:
 def test_opsd_cluster_checks_say_what_to_fix(sections: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         check_cluster(_opsd_job(**sections))
+
+
+def test_opsd_refresh_plan_syncs_the_teacher_from_slimes_checkpoints() -> None:
+    """snapshot refresh: after the service is up, `opd-teacher sync` on the teacher node
+    follows slime's save directory with the service's key; the refresh steps (40, 80,
+    120, 160 of 200) are all multiples of the save interval, which stays 20."""
+    job = _opsd_job(teacher={"snapshot": "refresh"})
+    steps = build_plan(job, hosts_from_config(job))
+    names = [s.name for s in steps]
+    assert names.index("check teacher tokenizer") < names.index("teacher snapshot sync")
+    assert names.index("teacher snapshot sync") < names.index("ray head")
+    sync = steps[names.index("teacher snapshot sync")]
+    assert sync.host == "teacher-node" and sync.kind == "background"
+    assert sync.command.startswith(
+        "env OPD_TEACHER_API_KEY=${OPD_TEACHER_API_KEY} opd-teacher sync"
+    )
+    argv = shlex.split(sync.command.split(" ", 2)[2])
+    for flag, value in [
+        ("--mode", "refresh"),
+        ("--teacher-url", "http://127.0.0.1:8000"),
+        ("--save-dir", "/shared/runs/swe-opsd/megatron"),
+        ("--work-dir", "/shared/runs/swe-opsd/teacher_sync"),
+        ("--origin-hf-dir", "/models/Qwen3.5-35B-A3B"),
+        ("--steps", "200"),
+    ]:
+        assert argv[argv.index(flag) + 1] == value
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--refresh-at"] == [
+        "0.2", "0.4", "0.6", "0.8",
+    ]  # fmt: skip
+    converter = argv[argv.index("--converter") + 1]
+    assert converter.startswith(
+        "cd /root/slime && PYTHONPATH=/root/Megatron-LM:/root/slime python3 "
+    )
+    assert "tools/convert_torch_dist_to_hf.py --input-dir {input_dir} --output-dir" in converter
+    assert "steps 40, 80, 120, 160" in sync.note
+    submit = steps[-1]
+    assert "--save-interval 20 " in submit.command and "lowered" not in submit.note
+
+
+def test_opsd_ema_plan_lowers_the_save_interval_and_says_so() -> None:
+    job = _opsd_job(teacher={"snapshot": "ema", "ema_sync_every": 8, "ema_decay": 0.95})
+    steps = build_plan(job, hosts_from_config(job))
+    submit = steps[-1]
+    assert "--save-interval 4 " in submit.command  # gcd(20, 8): every 8th step is saved
+    assert "--save-interval 4 lowered from logging.save_every_steps 20" in submit.note
+    sync = next(s for s in steps if s.name == "teacher snapshot sync")
+    assert "--mode ema" in sync.command and "--ema-decay 0.95 --ema-every 8" in sync.command
+    assert "an EMA over checkpoints" in sync.note
+    dry_run = render_dry_run(steps, "/logs")
+    assert f"# {submit.note}\n" in dry_run and f"# {sync.note}\n" in dry_run
+
+
+def test_the_plans_sync_command_is_the_sync_clis(tmp_path: Path) -> None:
+    """The flags the plan writes are the ones `opd-teacher sync` takes: run with a missing
+    origin checkpoint, the CLI gets as far as checking it."""
+    job = _opsd_job(
+        teacher={"snapshot": "refresh", "model": str(tmp_path / "nowhere")},
+        logging={"run_dir": str(tmp_path / "run")},
+    )
+    sync = next(s for s in build_plan(job, hosts_from_config(job)) if "sync" in s.name)
+    argv = shlex.split(sync.command.split(" ", 2)[2])
+    assert argv[0] == "opd-teacher"
+    result = CliRunner().invoke(teacher_cli, argv[1:], env={"OPD_TEACHER_API_KEY": "k"})
+    assert result.exit_code == 2
+    assert "origin_hf_dir" in result.output and "no HF checkpoint" in result.output
 
 
 def test_opsd_cluster_accepts_the_students_own_hint() -> None:
@@ -272,9 +365,13 @@ def _fake_cluster(
 
 
 def _stop_teacher(port: int) -> None:
-    found = subprocess.run(
-        ["pgrep", "-f", f"opd-teacher serve .*--port {port}"], capture_output=True, text=True
-    )
+    _stop_processes(f"opd-teacher serve .*--port {port}")
+
+
+def _stop_processes(command_pattern: str) -> None:
+    """The background services a test's plan started (the pattern names its port or
+    temporary directory)."""
+    found = subprocess.run(["pgrep", "-f", command_pattern], capture_output=True, text=True)
     for pid in found.stdout.split():
         os.kill(int(pid), signal.SIGTERM)
 
@@ -340,6 +437,52 @@ def test_opsd_launch_serves_the_students_checkpoint_with_the_reload_key(
         )
         assert reload.status_code == 200, reload.text
     finally:
+        _stop_teacher(job.teacher.port)
+
+
+@pytest.mark.timeout(240)
+def test_opsd_refresh_launch_reloads_the_teacher_from_a_checkpoint_with_a_standin_converter(
+    tmp_path: Path, factory_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """snapshot refresh on the fake cluster: the teacher node's `opd-teacher sync` (started
+    by the plan, with the key) finds slime's checkpoint of the refresh step, converts it
+    and has the real `opd-teacher serve` reload it, then exits."""
+    job, _ = _fake_cluster(tmp_path, factory_dir, monkeypatch)
+    teacher = job.teacher.model_dump(exclude={"kind", "model", "url"})
+    work = tmp_path / "run/teacher_sync"
+    job = config_from_dict(
+        {
+            **job.model_dump(mode="json"),
+            "teacher": {
+                **teacher,
+                "kind": "self",
+                "api_key_env": "FAKE_TEACHER_KEY",
+                "snapshot": "refresh",
+                "refresh_at": [0.5],
+                "snapshot_converter": converter_standin.command(),
+            },
+            "algorithm": {"recipe": "opsd", "steps": 4},
+        }
+    )
+    monkeypatch.setenv("FAKE_TEACHER_KEY", "s3cret")
+    weights = load_file(factory_dir / "model.safetensors")
+    converter_standin.write_checkpoint(
+        tmp_path / "save", 2, {k: v + 0.01 for k, v in weights.items()}
+    )
+    steps = [s for s in build_plan(job, hosts_from_config(job)) if "teacher" in s.name]
+    assert [s.name for s in steps][-1] == "teacher snapshot sync"
+    url = f"http://127.0.0.1:{job.teacher.port}"
+    try:
+        Executor(job, report=lambda _: None, wait_timeout_s=180).run(steps)
+        deadline = time.monotonic() + 120
+        while not (work / "state.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log = (tmp_path / "run/logs/teacher-snapshot-sync.log").read_text()
+        assert json.loads((work / "state.json").read_text())["applied"] == [2], log
+        info = httpx.get(f"{url}/v1/info", headers={"Authorization": "Bearer s3cret"}).json()
+        assert info["model"] == str(work / "converted/step_00002")
+    finally:
+        _stop_processes(f"opd-teacher sync .*{work}")
         _stop_teacher(job.teacher.port)
 
 

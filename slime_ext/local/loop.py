@@ -40,6 +40,7 @@ from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
 from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from teacher_server.client import TeacherClient
+from teacher_server.snapshot_sync import refresh_steps
 
 CHECKPOINT = "checkpoint"
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -364,12 +365,8 @@ class LocalRun:
                         )
             if self.step % config.ema_sync_every == 0:
                 return await self._push_teacher(teacher, self.ema)
-        elif config.snapshot == "refresh":
-            fractions = [
-                f for f in config.refresh_at if (self.step - 1) / total < f <= self.step / total
-            ]
-            if fractions:
-                return await self._push_teacher(teacher, self.model.state_dict())
+        elif config.snapshot == "refresh" and self.step in refresh_steps(config.refresh_at, total):
+            return await self._push_teacher(teacher, self.model.state_dict())
         return {}
 
     async def _push_teacher(
