@@ -27,6 +27,11 @@ Limits of this backend, stated plainly:
   exposes only the container's own files (the root is read-only by default).
 - `limit_hit="memory"` is read from the daemon's OOM events for the container during the
   command (commands sharing a container share the attribution).
+- Output counts only when its stream ends between frames after docker recorded the
+  command's exit; a connection error, an end inside a frame, or an end while the command
+  runs on (past a 0.5 s grace) is a SandboxDiedError. When docker notices a cut
+  connection first (the command wrote to it), it records exit 126, which cannot be told
+  from the command's own `exit 126`.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ import logging
 import posixpath
 import re
 import secrets
+import struct
 import tarfile
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import docker.errors
 import requests
@@ -83,6 +89,14 @@ _GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_OTHER_TYPES = sum(1 << bit for bit in (26, 25, 24, 21, 19))  # devices, fifo, socket
 _GO_MODE_NOT_REGULAR = _GO_MODE_DIR | _GO_MODE_SYMLINK | _GO_MODE_OTHER_TYPES
 _NUMERIC_USER = re.compile(r"^(\d+):(\d+)$")
+# docker's multiplexed output: each frame is a stream id (1 stdout, 2 stderr, 3 the
+# daemon's own error), three padding bytes and the payload's length, then the payload.
+_FRAME_HEADER = struct.Struct(">BxxxL")
+_STDOUT, _STDERR, _DAEMON_ERROR = 1, 2, 3
+_READ_BYTES = 64 * 1024
+# moby records an exec's exit before it closes its output: output that ended while the
+# command still runs was cut. The grace is for a daemon that records the exit late.
+_EXIT_RECORD_GRACE_S = 0.5
 _DOCKER_FAILURES = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 # Kills every process this user ($2) may signal except init (pid 1), the main process ($1)
@@ -163,7 +177,7 @@ class DockerSandboxConfig(BaseModel):
     kill_grace_s: float = Field(default=5.0, gt=0)
     """How long the output may take to end after the processes were killed."""
     docker_url: str | None = None
-    """Docker daemon URL; None: DOCKER_HOST or the local socket."""
+    """Docker daemon URL (unix:// or tcp://); None: DOCKER_HOST or the local socket."""
     api_timeout_s: int = Field(default=60, ge=1)
     """HTTP timeout of each Docker API call (not of commands)."""
 
@@ -207,7 +221,10 @@ def reap(labels: Mapping[str, str] | None = None, client: docker.DockerClient | 
 
 class _OutputReader(threading.Thread):
     """Reads one exec's output on a thread of its own (docker-py blocks) into head + tail
-    buffers, and tells the event loop when the output ends or passes its cap."""
+    buffers, and tells the event loop when the output ends or passes its cap.
+
+    The output ends complete only at a frame boundary; a connection error or an end inside
+    a frame fails `done` (docker-py's own iterator takes both for a normal end)."""
 
     def __init__(
         self,
@@ -237,20 +254,40 @@ class _OutputReader(threading.Thread):
                 self._stream = stream
                 if self._cancelled:
                     stream.close()
-            flood_told = False
-            for out, err in stream:
-                if out:
-                    self.stdout.feed(out)
-                if err:
-                    self.stderr.feed(err)
-                total = self.stdout.total_bytes + self.stderr.total_bytes
-                if total > self.max_bytes and not flood_told:
-                    flood_told = True
-                    self._tell(self.flooded.set)
+            self._read_frames(_buffered_output(stream))
         except BaseException as exc:
-            self._tell(self._finish, exc)
+            # After cancel() the closed connection's error is ours, not the daemon's.
+            self._tell(self._finish, None if self._cancelled else exc)
         else:
             self._tell(self._finish, None)
+
+    def _read_frames(self, source: BinaryIO) -> None:
+        flood_told = False
+        while header := source.read(_FRAME_HEADER.size):
+            if len(header) < _FRAME_HEADER.size:
+                raise SandboxDiedError("the output stream ended inside a frame header")
+            stream_id, left = _FRAME_HEADER.unpack(header)
+            daemon_error = b""  # kept short: it becomes a message
+            while left > 0:
+                chunk = source.read(min(left, _READ_BYTES))
+                if not chunk:
+                    raise SandboxDiedError(f"the output stream ended {left} bytes into a frame")
+                left -= len(chunk)
+                if stream_id == _STDOUT:
+                    self.stdout.feed(chunk)
+                elif stream_id == _STDERR:
+                    self.stderr.feed(chunk)
+                elif stream_id == _DAEMON_ERROR:
+                    daemon_error = (daemon_error + chunk)[:1024]
+                else:
+                    raise SandboxDiedError(f"unknown stream {stream_id} in the output")
+            if stream_id == _DAEMON_ERROR:
+                text = daemon_error.decode(errors="replace").strip()
+                raise SandboxDiedError(f"docker reported in the output stream: {text}")
+            total = self.stdout.total_bytes + self.stderr.total_bytes
+            if total > self.max_bytes and not flood_told:
+                flood_told = True
+                self._tell(self.flooded.set)
 
     def _finish(self, exc: BaseException | None) -> None:
         if self.done.done():
@@ -270,6 +307,23 @@ class _OutputReader(threading.Thread):
             self._cancelled = True
             if self._stream is not None:
                 self._stream.close()
+
+
+def _buffered_output(stream: Any) -> BinaryIO:
+    """The buffered reader over an exec's upgraded connection (docker-py's CancellableStream
+    -> requests -> urllib3 -> http.client), to read the output from. docker-py reads the
+    socket beneath it and loses what http.client buffered with the response headers: all of
+    a quick command's output when the client reads late (docker/docker-py#2042)."""
+    try:
+        reader: BinaryIO = stream._response.raw._fp.fp
+        sock = reader.raw._sock  # type: ignore[attr-defined]
+    except AttributeError as exc:
+        raise SandboxUnavailableError(
+            f"cannot read a command's output over this connection ({exc}): docker_url must "
+            "be a unix:// or tcp:// address"
+        ) from exc
+    sock.settimeout(None)  # the event loop keeps the deadline; cancel() closes the socket
+    return reader
 
 
 class DockerSandbox(StartsAndCloses):
@@ -594,7 +648,9 @@ class DockerSandbox(StartsAndCloses):
             self._sweep()
 
     def _exit_code(self, exec_id: str) -> int | None:
-        deadline = time.monotonic() + 2.0
+        """The command's exit code once docker records it; None when docker still reports
+        it running after a short grace."""
+        deadline = time.monotonic() + _EXIT_RECORD_GRACE_S
         while True:
             info = self._api.exec_inspect(exec_id)
             if not info.get("Running") or time.monotonic() > deadline:
@@ -617,7 +673,10 @@ class DockerSandbox(StartsAndCloses):
             if not await asyncio.to_thread(self._running):
                 raise SandboxDiedError(f"the container {self._container_id} stopped")
             if exit_code is None:
-                raise SandboxDiedError("docker reported no exit code for the command")
+                raise SandboxDiedError(
+                    "the command's output ended while docker still reported it running: the "
+                    "connection to the daemon was cut and the output is incomplete"
+                )
         if exit_code in (126, 127) and "OCI runtime exec failed" in stdout + stderr:
             message = f"docker could not run the command: {(stdout + stderr).strip()}"
             if "resource temporarily unavailable" in message.lower():

@@ -914,7 +914,14 @@ async def fault_run(image: str, root_dir: Path, tmp_path: Path) -> dict[str, Any
                         running[sandbox.host_name] -= 1
                         await injector
                     if fault is None:  # an untouched command gives exactly its output
-                        assert result.stdout == f"{index * step}\n", (record, result)
+                        assert result.stdout == f"{index * step}\n", (
+                            f"trajectory {index} step {step}, sandbox {sandbox.sandbox_id} on "
+                            f"{sandbox.host_name} ({running[sandbox.host_name]} commands in "
+                            f"flight there): exit {result.exit_code}, stdout {result.stdout!r} "
+                            f"({result.stdout_bytes} bytes), stderr {result.stderr!r}, "
+                            f"timed_out {result.timed_out}, limit {result.limit_hit}, "
+                            f"{result.duration_s:.3f} s; calls so far {record.calls}"
+                        )
                 record.status, record.reason = "completed", "3 commands ran"
             except SandboxError as exc:
                 record.status, record.reason = "sandbox_error", f"{type(exc).__name__}: {exc}"

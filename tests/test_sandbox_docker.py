@@ -8,10 +8,14 @@ host by tests/docker_images.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.client
 import os
 import socket
+import threading
 import time
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import docker.errors
@@ -217,6 +221,162 @@ def test_concurrent_sandboxes_share_one_client(image: str, client: docker.Docker
     results, elapsed = run(scenario())
     assert [r.stdout for r in results] == ["0\n", "1\n", "2\n", "3\n"]
     assert elapsed < 3.5  # they ran side by side, not one after another
+
+
+# -- the output stream ---------------------------------------------------------------------
+
+
+def slow_to_read_headers(monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.5) -> None:
+    """A loaded client: every response's headers are read `delay_s` late, so a quick
+    command's output and end are already waiting when http.client reads them."""
+    begin = http.client.HTTPResponse.begin
+
+    def late_begin(response: http.client.HTTPResponse) -> None:
+        time.sleep(delay_s)
+        begin(response)
+
+    monkeypatch.setattr(http.client.HTTPResponse, "begin", late_begin)
+
+
+def test_output_that_arrives_with_the_response_headers_is_kept(
+    image: str, client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fleet's fault test saw this under load: a quick command came back with exit 0
+    and no output, which http.client had buffered with the headers (docker-py#2042)."""
+
+    async def scenario() -> tuple[tuple[bytes | None, bytes | None], ExecResult]:
+        async with DockerSandbox(config(image)) as sandbox:
+            with monkeypatch.context() as patched:
+                slow_to_read_headers(patched)
+                argv = ["/bin/sh", "-c", "echo hello"]
+                exec_id = client.api.exec_create(sandbox.container_id, argv)["Id"]
+                docker_py = client.api.exec_start(exec_id, demux=True)  # control: its own reader
+                return docker_py, await sandbox.exec("echo hello; echo oops >&2", 10)
+
+    docker_py, result = run(scenario())
+    assert docker_py == (None, None)  # the race happened: docker-py lost the output
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "hello\n", "oops\n")
+
+
+class CuttingRelay:
+    """A Unix-socket relay to the Docker daemon that, once armed, cuts the next command's
+    output connection `keep_bytes` after its HTTP upgrade: the client sees the stream end
+    there, the daemon a client that went away, as when the connection drops."""
+
+    def __init__(self, path: Path) -> None:
+        daemon = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+        if not daemon.startswith("unix://"):
+            pytest.skip(f"the relay needs the daemon on a Unix socket, not {daemon}")
+        self.upstream = daemon.removeprefix("unix://")
+        self.url = f"unix://{path}"
+        self.keep_bytes: int | None = None
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._server = socket.socket(socket.AF_UNIX)
+        self._server.bind(str(path))
+        self._server.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, keep_bytes: int) -> None:
+        with self._lock:
+            self.keep_bytes = keep_bytes
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in [self._server, *self._sockets]:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(self.upstream)
+            with self._lock:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._forward, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._answer, args=(upstream, client), daemon=True).start()
+
+    def _forward(self, client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                upstream.sendall(data)
+            upstream.shutdown(socket.SHUT_WR)
+
+    def _answer(self, upstream: socket.socket, client: socket.socket) -> None:
+        """Daemon to client; cuts both sides at the armed length after an upgrade."""
+        seen, cut_at = b"", None
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                sent = len(seen)
+                seen += data
+                upgrade = seen.find(b"HTTP/1.1 101")
+                headers_end = seen.find(b"\r\n\r\n", upgrade) if upgrade >= 0 else -1
+                with self._lock:
+                    if cut_at is None and self.keep_bytes is not None and headers_end >= 0:
+                        cut_at, self.keep_bytes = headers_end + 4 + self.keep_bytes, None
+                if cut_at is None or len(seen) < cut_at:
+                    client.sendall(data)
+                    continue
+                client.sendall(data[: max(cut_at - sent, 0)])
+                for sock in (client, upstream):
+                    sock.shutdown(socket.SHUT_RDWR)
+                return
+            client.shutdown(socket.SHUT_WR)
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[CuttingRelay]:
+    relay = CuttingRelay(tmp_path / "docker.sock")
+    yield relay
+    relay.close()
+
+
+def cut_stream_outcome(
+    image: str, relay: CuttingRelay, keep_bytes: int, cmd: str
+) -> tuple[ExecResult | BaseException, ExecResult]:
+    """The command's outcome with its output cut `keep_bytes` into the stream, and the same
+    command's uncut result afterwards (the control: the relay passes it whole)."""
+
+    async def scenario() -> tuple[ExecResult | BaseException, ExecResult]:
+        async with DockerSandbox(config(image, docker_url=relay.url)) as sandbox:
+            relay.arm(keep_bytes)
+            outcome = (await asyncio.gather(sandbox.exec(cmd, 10), return_exceptions=True))[0]
+            return outcome, await sandbox.exec(cmd, 10)
+
+    return run(scenario())
+
+
+def test_an_output_stream_cut_while_the_command_runs_is_a_sandbox_error(
+    image: str, relay: CuttingRelay
+) -> None:
+    """Not exit 0 with no output: the command finishes after the cut, and it printed."""
+    cut, control = cut_stream_outcome(image, relay, 0, "sleep 1.5; echo late")
+    assert control.stdout == "late\n"
+    assert isinstance(cut, SandboxDiedError), cut
+    assert "output is incomplete" in str(cut)
+
+
+def test_an_output_stream_cut_inside_a_frame_is_a_sandbox_error(
+    image: str, relay: CuttingRelay
+) -> None:
+    """8 header bytes and 2 of the 6 payload bytes arrive; "he" is not the output."""
+    cut, control = cut_stream_outcome(image, relay, 10, "echo hello")
+    assert control.stdout == "hello\n"
+    assert isinstance(cut, SandboxDiedError), cut
+    assert "4 bytes into a frame" in str(cut)
+
+
+def test_a_command_silent_for_longer_than_the_api_timeout_still_gets_its_output(
+    image: str,
+) -> None:
+    """The output is read without docker's HTTP timeout: the deadline is the command's."""
+    result = run(sandboxed(config(image, api_timeout_s=1), "sleep 2; echo done", 10))
+    assert (result.exit_code, result.stdout, result.timed_out) == (0, "done\n", False)
 
 
 # -- files ---------------------------------------------------------------------------------
