@@ -24,12 +24,13 @@ from pydantic import (
 Recipe = Literal["opd", "opsd", "oprd", "ssd", "rl", "sft"]
 RECIPES_WITH_TEACHER: frozenset[str] = frozenset({"opd", "opsd", "oprd"})
 OPRD_ON_SLIME = (
-    "recipe 'oprd' does not run on slime: its failure branch needs the teacher's full "
-    "distribution (shared-support KL) or its per-token top-k (teacher_topk), and its routing "
-    "a per-sample outcome, none of which slime's batch carries to a custom loss; train "
-    "oprd with the local trainer (`opd train`, parallel.gpus_per_node: 0)"
+    "recipe 'oprd' on slime (a cluster job) needs algorithm.oprd_failure_loss: sampled: "
+    "slime's batch carries the teacher's log-prob of each sampled token (teacher_log_probs) "
+    "to a custom loss, but neither the teacher's full distribution (shared_support, whose "
+    "teacher runs in the local trainer's process) nor its per-token top-k (teacher_topk); "
+    "train those with the local trainer (`opd train`, parallel.gpus_per_node: 0)"
 )
-"""Why the slime hooks and the cluster launch refuse recipe oprd."""
+"""Why the slime hooks and the cluster launch refuse an OPRD failure loss other than sampled."""
 
 
 class ConfigError(ValueError):
@@ -286,11 +287,15 @@ class AlgorithmConfig(Section):
     with reward > 0, invalid turns masked)."""
     oprd_failure_weight: float = Field(default=1.0, ge=0.0)
     """OPRD's lambda_-: weight of the failure branch (reverse KL to the reminded teacher)."""
-    oprd_failure_loss: Literal["shared_support", "teacher_topk"] = "shared_support"
+    oprd_failure_loss: Literal["shared_support", "teacher_topk", "sampled"] = "shared_support"
     """OPRD's failure branch: shared_support (KL on the top-`oprd_support_k` ids of
     max(log p_S, log p_T), both renormalized; the teacher runs in the trainer's process,
-    where both full distributions exist: local trainer only), or teacher_topk (KL to the
-    teacher service's top-k with a tail bucket; needs teacher.top_k > 0)."""
+    where both full distributions exist: local trainer only), teacher_topk (KL to the
+    teacher service's top-k with a tail bucket; needs teacher.top_k > 0; local trainer
+    only), or sampled (the sampled-token reverse KL k_t = log p_S(x_t) - log p_T(x_t) on
+    the student's own token, in policy-gradient form as recipe opd trains it: a one-token
+    estimate of the full-vocabulary reverse KL, not the paper's shared-support KL; the
+    only signal slime's batch carries to a custom loss, so the one a cluster job uses)."""
     oprd_support_k: int = Field(default=100, ge=1)
     """OPRD shared_support: size of the shared support U (the paper: 100)."""
     sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"

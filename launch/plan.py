@@ -94,12 +94,12 @@ def check_cluster(job: JobConfig) -> None:
     if job.cluster.save_dir is None:
         problems.append("cluster.save_dir: where this run's Megatron checkpoints go")
     recipe = job.algorithm.recipe
-    if recipe == "oprd":
-        problems.append(OPRD_ON_SLIME)
+    if recipe == "oprd" and job.algorithm.oprd_failure_loss != "sampled":
+        problems.append(f"algorithm.oprd_failure_loss: {OPRD_ON_SLIME}")
     if recipe not in ("sft", "ssd") and job.cluster.tasks_file is None:
         problems.append("cluster.tasks_file: the training tasks (JSONL) for slime's --prompt-data")
     teacher = job.teacher
-    if recipe in RECIPES_WITH_TEACHER and recipe != "oprd":
+    if recipe in RECIPES_WITH_TEACHER:
         if teacher.kind == "self":
             if teacher.node is None and not teacher.url:
                 problems.append(
@@ -112,11 +112,11 @@ def check_cluster(job: JobConfig) -> None:
         elif teacher.kind != "remote" or not teacher.url:
             problems.append(
                 "teacher: a cluster job scores with a standalone service: kind remote and url "
-                "(or kind self for recipe opsd: the student's own snapshot)"
+                "(or kind self for recipes opsd and oprd: the student's own snapshot)"
             )
         if teacher.node is not None and teacher.model is None:
             problems.append("teacher.model: the checkpoint `opd launch` serves on teacher.node")
-        if job.algorithm.opd_loss != "sampled":
+        if recipe != "oprd" and job.algorithm.opd_loss != "sampled":
             problems.append(
                 "algorithm.opd_loss: slime's batch carries no per-token top-k; use sampled"
             )
@@ -230,8 +230,9 @@ def build_plan(
 
 
 def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
-    """The teacher service on its node: OPD's teacher model, or for OPSD (kind self) the
-    student's own initial checkpoint (the frozen snapshot), scored the same way."""
+    """The teacher service on its node: OPD's teacher model, or for OPSD and OPRD (kind
+    self) the student's own initial checkpoint (the frozen snapshot), scored the same way
+    (the hint or the reminders are in the contexts the hooks send)."""
     teacher = job.teacher
     if job.algorithm.recipe not in RECIPES_WITH_TEACHER:
         return []
@@ -397,6 +398,9 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
             "--disable-compute-advantages-and-returns",
         ]  # fmt: skip
     else:
+        # OPRD: each trajectory's branch reaches the loss in advantages (slime_ext/slime/oprd.py)
+        oprd = algorithm.recipe == "oprd"
+        post_process = f"{HOOKS}.oprd" if oprd else f"{HOOKS}.reward"
         args += [
             "--prompt-data", str(cluster.tasks_file),
             "--input-key", "prompt",
@@ -405,9 +409,11 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
             "--rollout-shuffle",
             "--custom-generate-function-path", f"{HOOKS}.generate.generate",
             "--custom-rm-path", f"{HOOKS}.reward.reward",
-            "--custom-reward-post-process-path", f"{HOOKS}.reward.post_process_rewards",
+            "--custom-reward-post-process-path", f"{post_process}.post_process_rewards",
             "--advantage-estimator", "grpo",
         ]  # fmt: skip
+        if oprd:
+            args += ["--custom-advantage-function-path", f"{HOOKS}.oprd.advantages"]
     if job.logging.wandb_mode != "disabled":
         args += ["--use-wandb", "--wandb-project", job.logging.wandb_project]
         if job.logging.wandb_group:

@@ -13,6 +13,7 @@ from rollout.harness.swe import SWEHarness, SWEHarnessConfig
 from rollout.harness.tir import TIRConfig, TIRHarness
 from rollout.hints import HINTS_AFTER_ATTEMPT, HintedTeacherContext, StudentHint, hint_source
 from rollout.policy import Policy, SamplingParams
+from rollout.reminders import ReminderTeacherContext, read_reminder_file, reminder_source
 from rollout.runner import RunnerConfig
 
 TEACHER_RECIPES = ("opd", "opsd", "oprd")
@@ -82,6 +83,21 @@ def hinted_teacher_context(
     if source is None:
         return None
     return HintedTeacherContext(renderer, initial_messages, source, teacher.hint_attempt_tokens)
+
+
+def reminder_teacher_context(
+    job: JobConfig, renderer: ChatRenderer
+) -> ReminderTeacherContext | None:
+    """OPRD: the self-teacher's reminded view of the student's contexts, from the job's
+    reminder source and file; None for other recipes."""
+    teacher = job.teacher
+    if job.algorithm.recipe != "oprd":
+        return None
+    return ReminderTeacherContext(
+        renderer,
+        reminder_source(teacher.reminders, teacher.reminders_file),
+        read_reminder_file(teacher.reminders_file),
+    )
 
 
 def harness_for(job: JobConfig) -> Harness:

@@ -15,11 +15,12 @@ kind); a job may name its own class by dotted path.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Literal, Protocol
@@ -181,30 +182,36 @@ def reminder_source(kind: str, path: Path | None = None) -> ReminderSource | Non
 
 @dataclass
 class ReminderStats:
-    """Per step: teacher contexts built, global reminders raised, local reminders shown."""
+    """Teacher contexts built, global reminders raised, local reminders shown: sums, so the
+    counts of several views (one per trajectory on slime) add up to a step's."""
 
     contexts: int = 0
     with_reminders: int = 0
-    global_tokens: list[int] = field(default_factory=list)
-    local_tokens: list[int] = field(default_factory=list)
+    global_count: int = 0
+    global_tokens: int = 0
+    local_count: int = 0
+    local_tokens: int = 0
     block_tokens: int = 0
 
-    def take(self) -> dict[str, float]:
-        """The metrics since the last take; the counts start again from zero."""
+    def add(self, other: ReminderStats) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
 
-        def mean(values: list[int]) -> float:
-            return sum(values) / len(values) if values else 0.0
-
-        metrics = {
-            "rollout/reminder_global_count": float(len(self.global_tokens)),
-            "rollout/reminder_local_count": float(len(self.local_tokens)),
-            "rollout/reminder_global_tokens": mean(self.global_tokens),
-            "rollout/reminder_local_tokens": mean(self.local_tokens),
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/reminder_global_count": float(self.global_count),
+            "rollout/reminder_local_count": float(self.local_count),
+            "rollout/reminder_global_tokens": self.global_tokens / max(self.global_count, 1),
+            "rollout/reminder_local_tokens": self.local_tokens / max(self.local_count, 1),
             "rollout/reminder_context_frac": self.with_reminders / max(self.contexts, 1),
             "rollout/reminder_tokens_per_context": self.block_tokens / max(self.contexts, 1),
         }
-        self.contexts = self.with_reminders = self.block_tokens = 0
-        self.global_tokens, self.local_tokens = [], []
+
+    def take(self) -> dict[str, float]:
+        """The metrics since the last take; the counts start again from zero."""
+        metrics = self.metrics()
+        for name, value in asdict(ReminderStats()).items():
+            setattr(self, name, value)
         return metrics
 
 
@@ -265,8 +272,23 @@ class ReminderTeacherContext:
     def __call__(
         self, task: Task, context_ids: list[int], earlier_turns: Sequence[Turn] = ()
     ) -> list[int]:
+        return self.view(task, context_ids, earlier_turns, self.stats)
+
+    def counting(self, stats: ReminderStats) -> TeacherContext:
+        """This teacher context counting into `stats` instead of `self.stats`: on slime the
+        generate hook scores many trajectories at once and gives each its own counts."""
+        return functools.partial(self.view, stats=stats)
+
+    def view(
+        self,
+        task: Task,
+        context_ids: list[int],
+        earlier_turns: Sequence[Turn],
+        stats: ReminderStats,
+    ) -> list[int]:
+        """The teacher's context for turn len(earlier_turns), counted into `stats`."""
         active = self.active(task, earlier_turns)
-        self.stats.contexts += 1
+        stats.contexts += 1
         texts = [*active.global_texts, *active.local_texts]
         if not texts:
             return context_ids
@@ -277,10 +299,12 @@ class ReminderTeacherContext:
                 "the reminder message has no place before it"
             )
         block = self.block_ids(texts)
-        self.stats.with_reminders += 1
-        self.stats.block_tokens += len(block)
-        self.stats.global_tokens += [len(self.renderer.encode(t)) for t in active.raised]
-        self.stats.local_tokens += [len(self.renderer.encode(t)) for t in active.local_texts]
+        stats.with_reminders += 1
+        stats.block_tokens += len(block)
+        stats.global_count += len(active.raised)
+        stats.global_tokens += sum(len(self.renderer.encode(t)) for t in active.raised)
+        stats.local_count += len(active.local_texts)
+        stats.local_tokens += sum(len(self.renderer.encode(t)) for t in active.local_texts)
         return context_ids[:cut] + block + context_ids[cut:]
 
     def block_ids(self, texts: Sequence[str]) -> list[int]:

@@ -121,6 +121,13 @@ class Runner:
             max_new_tokens=self.config.max_new_tokens
         )
 
+    def with_teacher_context(self, teacher_context: TeacherContext) -> Runner:
+        """The same runner scoring through another view of the teacher's contexts (on
+        slime: one that counts a single trajectory's reminders)."""
+        return Runner(
+            self.harness, self.policy, self.renderer, self.config, self.teacher, teacher_context
+        )
+
     async def run(
         self,
         tasks: Sequence[Task],

@@ -64,6 +64,10 @@ def slime_args(**overrides: Any) -> SimpleNamespace:
         "advantage_estimator": "grpo",
         "rewards_normalization": True,
         "grpo_std_normalization": True,
+        "global_batch_size": 1,
+        "normalize_advantages": False,
+        "use_opd": False,
+        "use_critic": False,
         "sglang_router_ip": "127.0.0.1",
         "sglang_router_port": 0,
         "hf_checkpoint": None,
@@ -289,6 +293,30 @@ def call_loss(
     return loss * num_microbatches / step_global_batch_size * dp_cp_size, log
 
 
+def custom_advantages(
+    args: Any,
+    data: dict[str, Any],
+    cp_rank: int,
+    cp_size: int,
+    advantage_fn: Callable[[Any, dict[str, Any]], None],
+) -> None:
+    """slime/backends/megatron_utils/loss.py L704-761 on one rank with
+    --custom-advantage-function-path (kl_coef 0, no whitening, no OPD penalty): `kl` is
+    zeros shaped like the rank's CP slice of each sample's log-probs (the rollout's here;
+    the actor's recomputed log_probs have the same shape), then the function fills
+    advantages and returns; this rank's advantages are kept in `data`."""
+    rollout_data = dict(data)
+    rollout_data["kl"] = [
+        torch.zeros(len(slice_log_prob_with_cp(values, len(tokens), response, cp_rank, cp_size)))
+        for values, tokens, response in zip(
+            data["rollout_log_probs"], data["tokens"], data["response_lengths"], strict=True
+        )
+    ]
+    advantage_fn(args, rollout_data)
+    assert len(rollout_data["returns"]) == len(rollout_data["advantages"]) == len(data["tokens"])
+    data["advantages"] = rollout_data["advantages"]
+
+
 def batch_for_rank(
     data: dict[str, Any], indices: Sequence[int], cp_rank: int, cp_size: int
 ) -> dict[str, Any]:
@@ -303,7 +331,7 @@ def batch_for_rank(
         "response_lengths": responses,
         "loss_masks": [torch.tensor(data["loss_masks"][i], dtype=torch.int) for i in indices],
         "rollout_mask_sums": [torch.tensor(float(data["rollout_mask_sums"][i])) for i in indices],
-        "advantages": None,
+        "advantages": [data["advantages"][i] for i in indices] if "advantages" in data else None,
         "log_probs": None,
     }
     for key in ("rollout_log_probs", "teacher_log_probs"):

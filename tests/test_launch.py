@@ -4,6 +4,7 @@ this machine, fake `ray` / `torchrun`, and the real `opd-teacher`)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -33,11 +34,13 @@ from tests.live_server import free_port
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch/configs/swe-opd-cluster.yaml"
 OPSD_EXAMPLE = ROOT / "launch/configs/swe-opsd-35b-a3b.yaml"
+OPRD_EXAMPLE = ROOT / "launch/configs/swe-oprd-35b-a3b.yaml"
 GOLDEN = ROOT / "tests/data/launch"
 EXAMPLES: dict[str, tuple[str, list[str]]] = {
     "swe-opd-cluster": ("swe-opd-cluster", []),
     "swe-opsd-35b-a3b": ("swe-opsd-35b-a3b", []),
     "swe-opsd-35b-a3b-ema": ("swe-opsd-35b-a3b", ["--set", "teacher.snapshot=ema"]),
+    "swe-oprd-35b-a3b": ("swe-oprd-35b-a3b", []),
 }
 """Plans that are golden files, tests/data/launch/<name>.dry-run.txt/.sbatch: an example
 config and overrides."""
@@ -257,6 +260,81 @@ def test_opsd_cluster_accepts_the_students_own_hint() -> None:
     job = _opsd_job(teacher={"hint": "student"})
     check_cluster(job)
     assert job.teacher.hint == "student"
+
+
+def _oprd_job(**sections: Any) -> Any:
+    base: dict[str, Any] = yaml.safe_load(OPRD_EXAMPLE.read_text())
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return config_from_dict(base)
+
+
+def test_oprd_plan_serves_and_refreshes_the_snapshot_and_routes_branches_in_advantages() -> None:
+    """OPRD on a cluster: the student's snapshot served as for OPSD, refreshed at 20/40/60/80%
+    by `opd-teacher sync`; slime runs our reward post-process and advantage function (the
+    branch carrier) with one training step per rollout, and every hook path resolves."""
+    job = load_config(OPRD_EXAMPLE)
+    assert job.teacher.kind == "self" and job.teacher.model == job.model.student
+    steps = build_plan(job, hosts_from_config(job))
+    names = [s.name for s in steps]
+    assert names.index("teacher service") < names.index("wait teacher")
+    assert names.index("wait teacher") < names.index("teacher snapshot sync")
+    assert names.index("teacher snapshot sync") < names.index("ray head")
+    by_name = {s.name: s for s in steps}
+    sync = by_name["teacher snapshot sync"]
+    assert "--mode refresh" in sync.command and "steps 40, 80, 120, 160" in sync.note
+    written = yaml.safe_load(by_name["write job config"].content)
+    assert written["algorithm"]["recipe"] == "oprd"
+    assert written["algorithm"]["oprd_failure_loss"] == "sampled"
+    assert written["teacher"]["url"] == "http://teacher-node:8000"
+    argv = shlex.split(steps[-1].command.split(" -- ", 1)[1])
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert value("--custom-reward-post-process-path") == "slime_ext.slime.oprd.post_process_rewards"
+    assert value("--custom-advantage-function-path") == "slime_ext.slime.oprd.advantages"
+    rollouts = job.rollout.tasks_per_step * job.rollout.samples_per_task
+    assert value("--global-batch-size") == value("--rollout-batch-size") == str(rollouts)
+    for refused in (
+        "--normalize-advantages",
+        "--use-opd",
+        "--disable-compute-advantages-and-returns",
+    ):
+        assert refused not in argv
+    for flag in (
+        "--custom-generate-function-path",
+        "--custom-rm-path",
+        "--custom-reward-post-process-path",
+        "--custom-advantage-function-path",
+        "--custom-loss-function-path",
+        "--custom-rollout-log-function-path",
+    ):
+        module, _, name = value(flag).rpartition(".")
+        assert callable(getattr(importlib.import_module(module), name)), flag
+    opsd = build_plan(load_config(OPSD_EXAMPLE), hosts_from_config(load_config(OPSD_EXAMPLE)))
+    assert "--custom-advantage-function-path" not in opsd[-1].command
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        (
+            {"algorithm": {"oprd_failure_loss": "shared_support"}},
+            "algorithm.oprd_failure_loss: recipe 'oprd' on slime .* needs "
+            "algorithm.oprd_failure_loss: sampled",
+        ),
+        (
+            {"algorithm": {"oprd_failure_loss": "teacher_topk"}, "teacher": {"top_k": 8}},
+            "neither the teacher's full distribution .* nor its per-token top-k",
+        ),
+        ({"teacher": {"api_key_env": None}}, "teacher.api_key_env: teacher.snapshot 'refresh'"),
+        ({"teacher": {"node": None}}, "set teacher.node .* or teacher.url"),
+    ],
+)
+def test_oprd_cluster_checks_say_what_to_fix(sections: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_cluster(_oprd_job(**sections))
 
 
 def _cluster_job(**sections: Any) -> Any:

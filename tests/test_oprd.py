@@ -407,6 +407,50 @@ def test_a_remote_teacher_trains_failures_on_its_topk_with_a_tail(factory_tokeni
     assert metrics["train/opd_reverse_kl_failure"] != 0
 
 
+def test_a_served_teacher_trains_failures_on_the_sampled_reverse_kl(
+    factory_tokenizer: Any,
+) -> None:
+    """oprd_failure_loss sampled (what slime's loss trains): a failure's tokens carry
+    k_t = s(x_t) - t(x_t) against the service's log-prob of the student's own token, in
+    policy-gradient form (gradient stopgrad(k_t) * grad s); successes keep the NLL."""
+    trajectories = _traces(factory_tokenizer, [0.0, 1.0])
+    for trajectory in trajectories:
+        for turn in trajectory.turns:
+            turn.mask_tier = MaskTier.VALID
+            turn.teacher_logprobs = [-2.0 - 0.1 * i for i in range(len(turn.span_ids))]
+    student = build_model("qwen3-tiny", factory_tokenizer, seed=2)
+    config = TrainerConfig(
+        oprd_failure_loss="sampled", oprd_success_weight=0.5, oprd_failure_weight=2.0
+    )
+    loss, metrics = LocalTrainer(student, config).loss(trajectories, "oprd")
+
+    def span_logprobs(trajectory: Trajectory) -> torch.Tensor:  # with gradient
+        rows = []
+        for k, turn in enumerate(trajectory.turns):
+            context = trajectory.context_ids(k)
+            logits = student(input_ids=torch.tensor([context + turn.span_ids])).logits[0]
+            logprobs = torch.log_softmax(logits[len(context) - 1 : -1].float(), -1)
+            rows.append(logprobs.gather(-1, torch.tensor(turn.span_ids)[:, None])[:, 0])
+        return torch.cat(rows)
+
+    failed, won = trajectories
+    student_logprobs = span_logprobs(failed)
+    teacher_logprobs = torch.tensor(
+        [p for turn in failed.turns for p in turn.teacher_logprobs or []]
+    )
+    k_t = (student_logprobs - teacher_logprobs).detach()
+    success = -span_logprobs(won).mean()  # every turn valid: the plain token-mean NLL
+    assert float(success) == pytest.approx(float(_success_loss(student, [won])), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(0.5 * success + 2.0 * k_t.mean()), rel=1e-4)
+    assert metrics["train/failure_branch_loss"] == pytest.approx(float(k_t.mean()), rel=1e-4)
+    # the failure's gradient is the policy gradient with advantage -k_t
+    weight = student.get_output_embeddings().weight
+    (got,) = torch.autograd.grad(loss, weight)
+    surrogate = 0.5 * success + 2.0 * (k_t * student_logprobs).mean()
+    (want,) = torch.autograd.grad(surrogate, weight)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
 # --- config, slime, and a run ---------------------------------------------------------
 
 
@@ -427,14 +471,19 @@ def test_oprd_config_defaults_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="dotted path"):
         config_from_dict({"teacher": {"reminders": "mine"}})
     from launch.plan import check_cluster
-    from slime_ext.slime.settings import HookConfigError, job_config
+    from slime_ext.slime.settings import HookConfigError, job_config, load_job
 
-    with pytest.raises(ConfigError, match="oprd"):
+    # slime's batch carries no full distribution or top-k: only sampled runs there
+    with pytest.raises(ConfigError, match="oprd_failure_loss: sampled"):
         check_cluster(job)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job.model_dump(mode="json")))
     with pytest.raises(HookConfigError, match="local trainer"):
         job_config(SimpleNamespace(opd_job_config=str(path)))
+    job.algorithm.oprd_failure_loss = "sampled"
+    path.write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    load_job.cache_clear()
+    assert job_config(SimpleNamespace(opd_job_config=str(path))).algorithm.recipe == "oprd"
 
 
 @pytest.mark.timeout(300)

@@ -23,10 +23,11 @@ from rollout.trajectory import MaskTier, Trajectory, TrajectoryStatus
 from slime_ext.local.factory import build_checkpoint, build_model
 from slime_ext.sft_data import read_records, turn_records, write_records
 from slime_ext.slime import metrics as hook_metrics
-from slime_ext.slime.generate import generate
+from slime_ext.slime.generate import generate, loss_kind
 from slime_ext.slime.loss import loss as opd_loss
 from slime_ext.slime.reward import post_process_rewards, reward
 from slime_ext.slime.samples import METADATA_KEY, to_samples
+from slime_ext.slime.settings import HookConfigError
 from slime_ext.slime.sft_rollout import SFTDataError, generate_rollout
 from teacher_server.app import create_app
 from teacher_server.hf_backend import HFBackend
@@ -302,6 +303,37 @@ def test_real_slime_cp_slicing_matches_ours(monkeypatch: pytest.MonkeyPatch) -> 
                     assert [float(i) for i in ours.response_index] == list(expected)
 
 
+def test_real_slime_carries_oprd_branch_shares_into_advantages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs only where slime is installed: slime's own compute_advantages_and_returns with
+    our advantage function leaves each sample's branch share on every token of its slice,
+    and refuses whitening."""
+    loss_module = pytest.importorskip("slime.backends.megatron_utils.loss")
+    fake = type("FakeMpu", (), {"is_pipeline_last_stage": staticmethod(lambda: True)})
+    monkeypatch.setattr(loss_module, "mpu", fake)
+    args = slime.slime_args(
+        kl_coef=0.0,
+        custom_advantage_function_path="slime_ext.slime.oprd.advantages",
+    )
+    rollout_data: dict[str, Any] = {
+        "rollout_log_probs": [torch.zeros(3), torch.zeros(2)],
+        "rewards": [4.0, -2.0],
+        "response_lengths": [3, 2],
+        "total_lengths": [7, 5],
+        "loss_masks": [torch.ones(3, dtype=torch.int), torch.ones(2, dtype=torch.int)],
+    }
+    loss_module.compute_advantages_and_returns(args, rollout_data)
+    assert [a.tolist() for a in rollout_data["advantages"]] == [[4.0] * 3, [-2.0] * 2]
+    with pytest.raises(HookConfigError, match="normalize-advantages"):
+        whitened = slime.slime_args(
+            kl_coef=0.0,
+            custom_advantage_function_path="slime_ext.slime.oprd.advantages",
+            normalize_advantages=True,
+        )
+        loss_module.compute_advantages_and_returns(whitened, dict(rollout_data))
+
+
 def test_opsd_generate_hook_scores_with_a_hinted_snapshot(
     factory_tokenizer: Any, factory_dir: Path, tmp_path: Path
 ) -> None:
@@ -402,3 +434,107 @@ def test_opsd_generate_hook_asks_slimes_router_for_the_students_own_hint(
     routed = [h for h in headers if "x-smg-routing-key" in h]
     assert len(headers) - len(routed) == 1  # the hint request: no trajectory session
     assert all("You review" not in factory_tokenizer.decode(s.tokens) for s in samples)
+
+
+def test_oprd_samples_carry_their_branchs_loss_mask(factory_tokenizer: Any) -> None:
+    """OPRD: a success (reward > 0) becomes imitation samples (its invalid turn masked), a
+    failure KL samples (every turn trained), so slime's per-rollout mask sums are each
+    branch's token count; both keep the teacher's log-probs (the branch KL metrics)."""
+    [_, half, _] = _scripted(factory_tokenizer)
+    assert half.turns[0].mask_tier is MaskTier.INVALID_ACTION
+    won = half.model_copy(update={"reward": 1.0})
+    lost = half.model_copy(update={"reward": 0.0})
+    assert loss_kind("oprd", won) == "imitation" and loss_kind("oprd", lost) == "kl"
+    assert loss_kind("opsd", won) == "kl" and loss_kind("ssd", lost) == "imitation"
+    samples = to_samples(won, _base(1), loss_kind("oprd", won)) + to_samples(
+        lost, _base(2), loss_kind("oprd", lost)
+    )
+    first = len(half.turns[0].span_ids)
+    assert samples[0].loss_mask == [0] * first
+    assert samples[half.num_turns].loss_mask == [1] * first
+    data = slime.convert_samples_to_train_data(slime.slime_args(), samples)
+    assert data["rollout_mask_sums"][0] == half.span_token_count() - first
+    assert data["rollout_mask_sums"][-1] == half.span_token_count()
+    assert len(data["teacher_log_probs"]) == len(samples)
+
+
+def test_oprd_generate_hook_scores_each_turn_with_its_reminders(
+    factory_tokenizer: Any, factory_dir: Path, tmp_path: Path
+) -> None:
+    """Recipe oprd on slime: the served snapshot scores each turn's span after the student's
+    exact context with the reminders active at that turn spliced in; no reminder reaches
+    the student's samples; the local reminder raised by the first (invalid) reply is read
+    before the next action only; the trajectory's own counts reach the rollout log."""
+    from rollout.reminders import read_reminder_file
+    from rollout.tasks.arithmetic import make_tasks
+    from slime_ext.slime import generate as generate_module
+
+    class RecordingBackend(HFBackend):
+        """The snapshot service's backend, keeping every item it was asked to score."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.items: list[Any] = []
+
+        async def score(self, items: list[Any]) -> list[Any]:
+            self.items += items
+            return await super().score(items)
+
+    metrics = ServerMetrics()
+    backend = RecordingBackend(factory_dir, metrics, max_context=4096)
+    task = make_tasks(1, "train", seed=3)[0]
+    with (
+        serve_in_thread(create_standin(backend.scorer.model, context_length=4096)) as router,
+        serve_in_thread(create_app(backend, metrics)) as teacher_url,
+    ):
+        host, port = router.removeprefix("http://").split(":")
+        job = tmp_path / "job.yaml"
+        job.write_text(
+            f"model:\n  tokenizer: {factory_dir}\n"
+            "rollout:\n  harness: tir\n  max_turns: 2\n  max_new_tokens: 8\n"
+            f"teacher:\n  kind: self\n  url: {teacher_url}\n"
+            "algorithm:\n  recipe: oprd\n  oprd_failure_loss: sampled\n"
+        )
+        args = slime.slime_args(
+            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
+        )
+        base = slime.Sample(
+            index=13, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
+        )
+
+        async def rollout() -> Any:
+            samples = await slime.generate_and_rm(args, base, {}, generate, reward)
+            loop = id(asyncio.get_running_loop())
+            state = generate_module._state(str(job), router, str(factory_dir), loop)
+            return samples, state
+
+        samples, state = asyncio.run(rollout())
+    assert len(samples) == 2 and all(s.reward == 0.0 for s in samples)
+    assert samples[0].metadata[METADATA_KEY]["mask_tier"] != 0  # junk: a local reminder
+    assert all(s.loss_mask == [1] * s.response_length for s in samples)  # failure: KL mask
+    reminders = state.reminders
+    assert reminders is not None
+    spec = read_reminder_file()
+    task_global = spec.global_reminders["tir"][0]
+    [invalid] = [rule.text for rule in spec.rules if rule.name == "invalid_action"]
+    header = reminders.block_ids(["x"])[:6]  # the reminder message's opening ids
+    decode = factory_tokenizer.decode
+    requests = sorted(backend.items, key=lambda item: item.span_start)
+    assert len(requests) == 2
+    for k, (item, sample) in enumerate(zip(requests, samples, strict=True)):
+        context = sample.tokens[: len(sample.tokens) - sample.response_length]
+        assert item.input_ids[item.span_start :] == sample.tokens[len(context) :]
+        expected = [task_global, invalid] if k == 1 else [task_global]
+        cut = len(context) - len(reminders.generation_prompt)
+        block = reminders.block_ids(expected)
+        assert item.input_ids[: item.span_start] == context[:cut] + block + context[cut:]
+        assert decode(item.input_ids[: item.span_start]).count(invalid) == k
+        assert not any(
+            sample.tokens[i : i + len(header)] == header for i in range(len(sample.tokens))
+        )
+        assert "Reminders" not in decode(sample.tokens) and task_global not in decode(sample.tokens)
+    logged = hook_metrics.sample_metrics(samples)
+    assert logged["rollout/reminder_global_count"] == 1  # the task's, raised at turn 0
+    assert logged["rollout/reminder_local_count"] == 1  # shown at turn 1 only
+    assert logged["rollout/reminder_context_frac"] == 1.0
+    assert reminders.stats.contexts == 0  # counted per trajectory, not in the shared view

@@ -29,12 +29,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from launch.config import JobConfig
-from launch.runtime import hinted_teacher_context, runner_config, teacher_in_process
+from launch.runtime import (
+    hinted_teacher_context,
+    reminder_teacher_context,
+    runner_config,
+    teacher_in_process,
+)
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRConfig, TIRHarness
 from rollout.hints import HintedTeacherContext
 from rollout.policy import HFPolicy
-from rollout.reminders import ReminderTeacherContext, read_reminder_file, reminder_source
+from rollout.reminders import ReminderTeacherContext
 from rollout.runner import Runner, TeacherContext, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
@@ -247,12 +252,8 @@ class LocalRun:
                 job, renderer, harness.initial_messages, self.policy
             )
             teacher_context: TeacherContext | None = self.hints
-            if recipe == "oprd":  # the snapshot reads reminders
-                self.reminders = ReminderTeacherContext(
-                    renderer,
-                    reminder_source(job.teacher.reminders, job.teacher.reminders_file),
-                    read_reminder_file(job.teacher.reminders_file),
-                )
+            self.reminders = reminder_teacher_context(job, renderer)  # OPRD's snapshot
+            if self.reminders is not None:
                 teacher_context = None if in_process else self.reminders
             if in_process:
                 assert self.reminders is not None

@@ -46,8 +46,8 @@ def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
 @contextlib.contextmanager
 def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str | None]]:
     """(url, api key) of the teacher service the job uses, started here when embedded; for
-    OPSD (and OPRD with teacher_topk) a frozen snapshot of the student's initial checkpoint;
-    none for OPRD's in-process teacher."""
+    OPSD (and OPRD with teacher_topk or sampled) a frozen snapshot of the student's initial
+    checkpoint; none for OPRD's in-process teacher."""
     recipe, teacher = job.algorithm.recipe, job.teacher
     if teacher_in_process(job):
         yield None, None

@@ -3,9 +3,10 @@
 The same losses as the cluster path: OPD is `reverse_kl_pg_loss` against the teacher's
 log-probs of each turn's span; RL is REINFORCE with group-normalized outcome advantages;
 SFT is `masked_nll`. OPRD routes by outcome: success trajectories train on `masked_nll`
-(invalid turns masked), failures on the reverse KL to a reminded self-teacher, either
-`topk_shared_support_kl` against an in-process frozen copy of the student (`SelfTeacher`)
-or `teacher_topk_kl` with a tail bucket against the teacher service's top-k. Every loss
+(invalid turns masked), failures on the reverse KL to a reminded self-teacher:
+`topk_shared_support_kl` against an in-process frozen copy of the student (`SelfTeacher`),
+`teacher_topk_kl` with a tail bucket against the teacher service's top-k, or the sampled
+reverse KL against the service's log-probs (what slime's loss trains). Every loss
 is reduced per trajectory (DESIGN.md invariant 7). The LM head runs only on span
 positions, fused and chunked (`fused_lm_head`), so the [tokens x vocab] logits never exist
 whole.
@@ -76,7 +77,7 @@ class TrainerConfig(BaseModel):
     """See AlgorithmConfig.oprd_success_weight."""
     oprd_failure_weight: float = Field(default=1.0, ge=0)
     """See AlgorithmConfig.oprd_failure_weight."""
-    oprd_failure_loss: Literal["shared_support", "teacher_topk"] = "shared_support"
+    oprd_failure_loss: Literal["shared_support", "teacher_topk", "sampled"] = "shared_support"
     """See AlgorithmConfig.oprd_failure_loss."""
     oprd_support_k: int = Field(default=100, ge=1)
     """See AlgorithmConfig.oprd_support_k."""
@@ -269,7 +270,9 @@ class LocalTrainer:
         student = self._logprobs(rows, self.model, batch.targets)
         nll = masked_nll(student, imitation)
         failed = (~token_success).nonzero()[:, 0]
-        failure, teacher_logprobs, metrics = self._oprd_failure(trajectories, batch, rows, failed)
+        failure, teacher_logprobs, metrics = self._oprd_failure(
+            trajectories, batch, rows, student, failed
+        )
         loss, routed = outcome_routed(
             nll.per_token,
             failure,
@@ -306,7 +309,12 @@ class LocalTrainer:
         return loss, metrics
 
     def _oprd_failure(
-        self, trajectories: Sequence[Trajectory], batch: TurnBatch, rows: Tensor, failed: Tensor
+        self,
+        trajectories: Sequence[Trajectory],
+        batch: TurnBatch,
+        rows: Tensor,
+        student: Tensor,
+        failed: Tensor,
     ) -> tuple[Tensor, Tensor, dict[str, float]]:
         """The failure branch's per-token KL on the `failed` tokens (0 elsewhere), the
         teacher's log-prob of every span token (for the sampled-KL metrics), and metrics."""
@@ -315,6 +323,20 @@ class LocalTrainer:
         temperature = config.temperature
         per_token = torch.zeros(len(batch.targets), device=rows.device)
         metrics: dict[str, float] = {}
+        if config.oprd_failure_loss == "sampled":  # slime's: only the sampled token's log-prob
+            if batch.teacher_logprobs is None:
+                raise MissingTeacherScores(
+                    "oprd_failure_loss sampled needs the teacher's log-prob of every span token"
+                )
+            old = batch.sampler_logprobs if config.pg_clip is not None else None
+            sampled = reverse_kl_pg_loss(
+                student[failed],
+                batch.teacher_logprobs[failed],
+                mask[failed],
+                old_logprobs=None if old is None else old[failed],
+                clip=config.pg_clip,
+            ).per_token  # on fresh samples its value is k_t: train/opd_reverse_kl_failure
+            return per_token.index_add(0, failed, sampled), batch.teacher_logprobs, metrics
         if config.oprd_failure_loss == "shared_support":
             teacher = self.self_teacher
             if teacher is None:

@@ -3,6 +3,8 @@
     --custom-generate-function-path     slime_ext.slime.generate.generate
     --custom-rm-path                    slime_ext.slime.reward.reward
     --custom-reward-post-process-path   slime_ext.slime.reward.post_process_rewards
+                                        (OPRD: slime_ext.slime.oprd.post_process_rewards)
+    --custom-advantage-function-path    slime_ext.slime.oprd.advantages  (OPRD)
     --loss-type custom_loss
     --custom-loss-function-path         slime_ext.slime.loss.loss
     --rollout-function-path             slime_ext.slime.sft_rollout.generate_rollout  (SFT/SSD data)

@@ -1,5 +1,6 @@
 """The generate hook: one multi-turn trajectory per slime Sample, against slime's SGLang
-router, with per-turn teacher scoring; returned as per-turn Samples.
+router, with per-turn teacher scoring (OPSD: a hint, OPRD: reminders in the self-teacher's
+contexts only); returned as per-turn Samples.
 
     --custom-generate-function-path slime_ext.slime.generate.generate
 
@@ -14,18 +15,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from launch.config import JobConfig
-from launch.runtime import TEACHER_RECIPES, harness_for, hinted_teacher_context, runner_config
+from launch.runtime import (
+    TEACHER_RECIPES,
+    harness_for,
+    hinted_teacher_context,
+    reminder_teacher_context,
+    runner_config,
+)
 from rollout.chat import ChatRenderer
 from rollout.hints import HintedTeacherContext
 from rollout.policy import SGLangPolicy
+from rollout.reminders import ReminderStats, ReminderTeacherContext
 from rollout.runner import Runner
-from rollout.trajectory import Task
-from slime_ext.slime.samples import HINT_STATS_KEY, to_samples
+from rollout.trajectory import Task, Trajectory
+from slime_ext.slime.samples import HINT_STATS_KEY, REMINDER_STATS_KEY, to_samples
 from slime_ext.slime.settings import HookConfigError, config_path, job_config, load_job
+from slime_ext.turns import LossKind
 from teacher_server.client import TeacherClient
 
 
@@ -38,6 +47,8 @@ class HookState:
     hints: HintedTeacherContext | None = None
     """OPSD: the self-teacher's hinted contexts (the student never sees the hint); its
     `stats` count the hints given, refused for leaking, missing and failed."""
+    reminders: ReminderTeacherContext | None = None
+    """OPRD: the self-teacher's reminded contexts (the student never sees a reminder)."""
 
 
 async def generate(
@@ -54,14 +65,20 @@ async def generate(
     # slime's index is unique per rollout: it names the trajectory (and teacher session)
     if state.hints is not None:
         await state.hints.prepare([task])
-    trajectory = await state.runner.run_one(task, int(sample.index or 0))
+    runner, reminder_stats = state.runner, None
+    if state.reminders is not None:  # trajectories run concurrently: each counts its own
+        reminder_stats = ReminderStats()
+        runner = runner.with_teacher_context(state.reminders.counting(reminder_stats))
+    trajectory = await runner.run_one(task, int(sample.index or 0))
     if state.hints is not None:  # the hook's counts so far travel to slime's rollout log
         trajectory.metadata[HINT_STATS_KEY] = state.hints.stats.metrics()
+    if reminder_stats is not None:
+        trajectory.metadata[REMINDER_STATS_KEY] = asdict(reminder_stats)
     recipe = job.algorithm.recipe
     samples = to_samples(
         trajectory,
         sample,
-        loss_kind="imitation" if recipe in ("ssd", "sft") else "kl",
+        loss_kind=loss_kind(recipe, trajectory),
         train_kl_on_invalid=job.algorithm.train_on_invalid_turns,
         with_teacher=recipe in TEACHER_RECIPES and not evaluation,
     )
@@ -69,6 +86,16 @@ async def generate(
         for s in samples:
             s.remove_sample = False
     return samples
+
+
+def loss_kind(recipe: str, trajectory: Trajectory) -> LossKind:
+    """Which loss mask a trajectory's samples carry: imitation (invalid turns masked) for
+    SFT / SSD and for OPRD's successes (reward > 0, trained with NLL), KL otherwise. So an
+    OPRD trajectory's per-rollout mask sum is its branch's token count, the denominator of
+    its token mean in the local trainer too."""
+    if recipe in ("ssd", "sft") or (recipe == "oprd" and (trajectory.reward or 0.0) > 0):
+        return "imitation"
+    return "kl"
 
 
 def task_from_sample(sample: Any, harness: str) -> Task:
@@ -124,7 +151,13 @@ def _state(path: str, router: str, checkpoint: str | None, loop_id: int) -> Hook
     # OPSD: the hint goes into the self-teacher's contexts (hint student: slime's router
     # writes it, the same policy that sampled the trajectory)
     hints = hinted_teacher_context(job, renderer, harness.initial_messages, policy)
+    reminders = reminder_teacher_context(job, renderer)  # OPRD
     runner = Runner(
-        harness, policy, renderer, runner_config(job), teacher=teacher, teacher_context=hints
+        harness,
+        policy,
+        renderer,
+        runner_config(job),
+        teacher=teacher,
+        teacher_context=hints if hints is not None else reminders,
     )
-    return HookState(job, runner, hints)
+    return HookState(job, runner, hints, reminders)

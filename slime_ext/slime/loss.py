@@ -16,6 +16,11 @@ slime calls `loss(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`
 
 Only the sampled-token OPD signal reaches this loss: slime's batch carries a fixed key
 list (teacher_log_probs, not per-token top-k), so `algorithm.opd_loss` must be `sampled`.
+OPRD routes each sample by its trajectory's outcome, which reaches the loss as a signed
+branch share in `advantages` (`slime_ext.slime.oprd`): successes train on the NLL (their
+loss masks are imitation masks), failures on the same sampled reverse KL as OPD
+(`algorithm.oprd_failure_loss: sampled`; the shared-support KL needs both full
+distributions, which slime's batch does not carry).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from launch.config import JobConfig
 from slime_ext.losses import TokenLoss, masked_nll, reverse_kl_pg_loss, sampled_reverse_kl
 from slime_ext.slime.cp import ResponseSlice, response_slices
 from slime_ext.slime.settings import HookConfigError, Parallel, job_config, megatron_parallel
@@ -33,6 +39,14 @@ from slime_ext.vocab_parallel import VocabShard, token_logprobs
 
 METRICS = ("opd_reverse_kl", "student_gt_teacher_frac", "loss_tokens")
 """The keys every call returns (slime sums them across micro-batches by position)."""
+OPRD_METRICS = (
+    "success_branch_loss",
+    "failure_branch_loss",
+    "opd_reverse_kl_success",
+    "opd_reverse_kl_failure",
+)
+"""OPRD's further keys: each branch's mean over its trajectories (0 for a branch the step
+lacks); the loss terms without their lambdas, as the local trainer logs them."""
 
 
 class SlimeBatchError(ValueError):
@@ -65,7 +79,8 @@ def loss(
     if count == 0:
         # a short span can land wholly on another CP rank: stay in the graph
         zero = 0.0 * logits.sum()
-        return zero, {key: zero.detach() for key in METRICS}
+        keys = METRICS + OPRD_METRICS if job.algorithm.recipe == "oprd" else METRICS
+        return zero, {key: zero.detach() for key in keys}
     row_index = torch.tensor([r for s in slices for r in s.local_rows], device=rows.device)
     targets = torch.cat(
         [
@@ -83,6 +98,8 @@ def loss(
         temperature=float(getattr(args, "rollout_temperature", 1.0)),
         chunk_size=_chunk_size(args),
     )
+    if job.algorithm.recipe == "oprd":
+        return _oprd_loss(job, args, batch, slices, student, mask, sum_of_sample_mean)
     result, kl = _recipe_loss(job.algorithm.recipe, args, batch, slices, student, mask)
     total = sum_of_sample_mean(result.per_token * job.algorithm.kl_coef)
     if kl is None:
@@ -115,16 +132,69 @@ def _recipe_loss(
         per_token = torch.where(mask, -advantages * student, torch.zeros_like(student))
         return TokenLoss(per_token, {}), None
     teacher = _sliced_given(batch, "teacher_log_probs", slices)
-    old_key = "rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs"
-    old = _sliced_given(batch, old_key, slices) if batch.get(old_key) is not None else None
-    clip = None
-    if old is not None:  # reused samples: PPO-clip the ratio as slime's policy loss does
-        eps_low = float(getattr(args, "eps_clip", 0.2))
-        eps_high = float(getattr(args, "eps_clip_high", None) or eps_low)
-        clip = (1.0 - eps_low, 1.0 + eps_high)
+    old, clip = _old_logprobs(args, batch, slices)
     result = reverse_kl_pg_loss(student, teacher, mask, old_logprobs=old, clip=clip)
     behaviour = student if old is None else old
     return result, sampled_reverse_kl(behaviour, teacher, mask)
+
+
+def _oprd_loss(
+    job: JobConfig,
+    args: Any,
+    batch: dict[str, Any],
+    slices: list[ResponseSlice],
+    student: Tensor,
+    mask: Tensor,
+    sum_of_sample_mean: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Success tokens on the NLL, failure tokens on the sampled reverse KL (policy-gradient
+    form, as OPD), each times its lambda and its trajectory's branch share: slime's
+    reduction then gives lambda_+ L_+ + lambda_- L_- (`slime_ext.slime.oprd`)."""
+    if batch.get("advantages") is None:
+        raise SlimeBatchError(
+            "recipe oprd reads each sample's branch share from advantages: run slime with "
+            "--custom-advantage-function-path slime_ext.slime.oprd.advantages (and without "
+            "--disable-compute-advantages-and-returns)"
+        )
+    share = _sliced_given(batch, "advantages", slices)
+    success, failure = mask & (share > 0), mask & (share < 0)
+    weight = share.abs()
+    teacher = _sliced_given(batch, "teacher_log_probs", slices)
+    old, clip = _old_logprobs(args, batch, slices)
+    nll = masked_nll(student, success).per_token
+    kl_pg = reverse_kl_pg_loss(student, teacher, failure, old_logprobs=old, clip=clip).per_token
+    algorithm = job.algorithm
+    per_token = weight * (
+        algorithm.oprd_success_weight * nll + algorithm.oprd_failure_weight * kl_pg
+    )
+    kl = sampled_reverse_kl(student if old is None else old, teacher, mask)
+
+    def branch_mean(values: Tensor) -> Tensor:
+        return sum_of_sample_mean(weight * values).detach()
+
+    return sum_of_sample_mean(per_token), {
+        "opd_reverse_kl": sum_of_sample_mean(kl.per_token).detach(),
+        "student_gt_teacher_frac": sum_of_sample_mean(_above(kl, mask)).detach(),
+        "loss_tokens": mask.sum().float().detach(),
+        "success_branch_loss": branch_mean(nll.detach()),
+        "failure_branch_loss": branch_mean(kl_pg.detach()),
+        "opd_reverse_kl_success": branch_mean(kl.per_token * success),
+        "opd_reverse_kl_failure": branch_mean(kl.per_token * failure),
+    }
+
+
+def _old_logprobs(
+    args: Any, batch: dict[str, Any], slices: list[ResponseSlice]
+) -> tuple[Tensor | None, tuple[float, float] | None]:
+    """The log-probs the samples were drawn under, when slime reuses them (its recomputed
+    log_probs, or the rollout's with --use-rollout-logprobs), and the PPO clip range
+    slime's policy loss would use."""
+    old_key = "rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs"
+    if batch.get(old_key) is None:
+        return None, None
+    eps_low = float(getattr(args, "eps_clip", 0.2))
+    eps_high = float(getattr(args, "eps_clip_high", None) or eps_low)
+    return _sliced_given(batch, old_key, slices), (1.0 - eps_low, 1.0 + eps_high)
 
 
 def _above(kl: TokenLoss, mask: Tensor) -> Tensor:

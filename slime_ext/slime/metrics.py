@@ -7,16 +7,19 @@ with the flattened samples before training (slime/observability/rollout_metrics.
 log_rollout_data); a truthy return would skip its own logging. Ours adds the DESIGN.md
 rollout/ and perf/ metrics, computed once per trajectory (samples of one rollout_id share
 a summary), into `rollout_extra_metrics`, which slime's default logging then writes in
-the same W&B call; it returns False so that logging still runs.
+the same W&B call; it returns False so that logging still runs. OPSD's hint counts are
+the run's so far (the latest); OPRD's reminder counts are the step's (each trajectory's
+own, added up), as the local trainer logs them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from rollout.reminders import ReminderStats
 from rollout.runner import summary_metrics
 from slime_ext.losses import masked_mean
-from slime_ext.slime.samples import HINT_STATS_KEY, METADATA_KEY, rollout_id_of
+from slime_ext.slime.samples import HINT_STATS_KEY, METADATA_KEY, REMINDER_STATS_KEY, rollout_id_of
 
 
 def log_rollout(
@@ -60,6 +63,12 @@ def sample_metrics(samples: list[Any]) -> dict[str, float]:
     if hint_stats:  # counts since the run started, as the local trainer logs them: the latest
         latest = max(hint_stats, key=_hints_asked)
         metrics.update(latest)
+    reminder_stats = [s[REMINDER_STATS_KEY] for s in summaries.values() if REMINDER_STATS_KEY in s]
+    if reminder_stats:
+        step = ReminderStats()
+        for counts in reminder_stats:
+            step.add(ReminderStats(**counts))
+        metrics.update(step.metrics())
     means = [(kl / n, above / n) for kl, above, n in kl_by_rollout.values() if n]
     if means:
         # per trajectory, then over trajectories (invariant 7), at the rollout's log-probs

@@ -43,10 +43,7 @@ def _trajectory_reward(sample: Any) -> float:
 
 def post_process_rewards(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
     """(raw, normalized) per sample: group-normalized per trajectory, as slime expects."""
-    raw = [
-        float(s.get_reward_value(args)) if hasattr(s, "get_reward_value") else float(s.reward)
-        for s in samples
-    ]
+    raw = raw_rewards(args, samples)
     estimator = getattr(args, "advantage_estimator", "grpo")
     if not getattr(args, "rewards_normalization", True) or estimator not in MEAN_ESTIMATORS:
         return raw, list(raw)
@@ -67,3 +64,11 @@ def post_process_rewards(args: Any, samples: list[Any]) -> tuple[list[float], li
         for rid, value in zip(members, values, strict=True):
             normalized[rid] = (value - mean) / (std + 1e-6) if use_std else value - mean
     return raw, [normalized.get(rollout_id_of(s), 0.0) for s in samples]
+
+
+def raw_rewards(args: Any, samples: list[Any]) -> list[float]:
+    """Each sample's reward as slime reads it (Sample.get_reward_value: --reward-key)."""
+    return [
+        float(s.get_reward_value(args)) if hasattr(s, "get_reward_value") else float(s.reward)
+        for s in samples
+    ]

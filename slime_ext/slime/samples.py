@@ -22,6 +22,9 @@ METADATA_KEY = "opd"
 HINT_STATS_KEY = "hint_stats"
 """OPSD: the generate hook's hint counts (rollout/hint_*, since the run started) when the
 trajectory finished; the rollout log reports the latest of a step's samples."""
+REMINDER_STATS_KEY = "reminder_stats"
+"""OPRD: the reminder counts of the trajectory's own teacher contexts (ReminderStats as a
+dict); the rollout log adds up a step's trajectories."""
 
 
 def to_samples(
@@ -159,8 +162,9 @@ def _summary(trajectory: Trajectory) -> dict[str, Any]:
     summary = trajectory_summary(trajectory) | {
         "drift_turns": sum(t.drift for t in trajectory.turns)
     }
-    if HINT_STATS_KEY in trajectory.metadata:
-        summary[HINT_STATS_KEY] = trajectory.metadata[HINT_STATS_KEY]
+    for key in (HINT_STATS_KEY, REMINDER_STATS_KEY):
+        if key in trajectory.metadata:
+            summary[key] = trajectory.metadata[key]
     return summary
 
 

@@ -48,11 +48,11 @@ def load_job(path: str) -> JobConfig:
 
 
 def _check_against_slime(job: JobConfig, args: Any) -> None:
-    """Recipes the hooks run; and invariant 3: one temperature on both sides of the KL.
-    slime divides the student's logits by --rollout-temperature; the teacher server
-    applies the temperature our rollout sends, which is the job's. They must be the same
-    number."""
-    if job.algorithm.recipe == "oprd":
+    """Recipes the hooks run (OPRD with the sampled failure loss only); and invariant 3:
+    one temperature on both sides of the KL. slime divides the student's logits by
+    --rollout-temperature; the teacher server applies the temperature our rollout sends,
+    which is the job's. They must be the same number."""
+    if job.algorithm.recipe == "oprd" and job.algorithm.oprd_failure_loss != "sampled":
         raise HookConfigError(OPRD_ON_SLIME)
     slime_temperature = getattr(args, "rollout_temperature", None)
     if slime_temperature is not None and float(slime_temperature) != job.rollout.temperature:
