@@ -336,11 +336,12 @@ def relay(tmp_path: Path) -> Iterator[CuttingRelay]:
     relay.close()
 
 
-def cut_stream_outcome(
-    image: str, relay: CuttingRelay, keep_bytes: int, cmd: str
-) -> tuple[ExecResult | BaseException, ExecResult]:
-    """The command's outcome with its output cut `keep_bytes` into the stream, and the same
-    command's uncut result afterwards (the control: the relay passes it whole)."""
+def assert_a_cut_stream_is_a_sandbox_error(
+    image: str, relay: CuttingRelay, *, keep_bytes: int, cmd: str, output: str, message: str
+) -> None:
+    """The command with its output cut `keep_bytes` into the stream raises a SandboxDiedError
+    saying `message`; the same command uncut afterwards (the control: the relay passes it
+    whole) prints `output`."""
 
     async def scenario() -> tuple[ExecResult | BaseException, ExecResult]:
         async with DockerSandbox(config(image, docker_url=relay.url)) as sandbox:
@@ -348,27 +349,38 @@ def cut_stream_outcome(
             outcome = (await asyncio.gather(sandbox.exec(cmd, 10), return_exceptions=True))[0]
             return outcome, await sandbox.exec(cmd, 10)
 
-    return run(scenario())
+    cut, control = run(scenario())
+    assert control.stdout == output
+    assert isinstance(cut, SandboxDiedError), cut
+    assert message in str(cut)
 
 
 def test_an_output_stream_cut_while_the_command_runs_is_a_sandbox_error(
     image: str, relay: CuttingRelay
 ) -> None:
     """Not exit 0 with no output: the command finishes after the cut, and it printed."""
-    cut, control = cut_stream_outcome(image, relay, 0, "sleep 1.5; echo late")
-    assert control.stdout == "late\n"
-    assert isinstance(cut, SandboxDiedError), cut
-    assert "output is incomplete" in str(cut)
+    assert_a_cut_stream_is_a_sandbox_error(
+        image,
+        relay,
+        keep_bytes=0,
+        cmd="sleep 1.5; echo late",
+        output="late\n",
+        message="output is incomplete",
+    )
 
 
 def test_an_output_stream_cut_inside_a_frame_is_a_sandbox_error(
     image: str, relay: CuttingRelay
 ) -> None:
     """8 header bytes and 2 of the 6 payload bytes arrive; "he" is not the output."""
-    cut, control = cut_stream_outcome(image, relay, 10, "echo hello")
-    assert control.stdout == "hello\n"
-    assert isinstance(cut, SandboxDiedError), cut
-    assert "4 bytes into a frame" in str(cut)
+    assert_a_cut_stream_is_a_sandbox_error(
+        image,
+        relay,
+        keep_bytes=10,
+        cmd="echo hello",
+        output="hello\n",
+        message="4 bytes into a frame",
+    )
 
 
 def test_a_command_silent_for_longer_than_the_api_timeout_still_gets_its_output(

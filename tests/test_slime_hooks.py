@@ -10,24 +10,30 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRHarness
 from rollout.runner import Runner, RunnerConfig
+from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import MaskTier, Trajectory, TrajectoryStatus
 from slime_ext.local.factory import build_checkpoint, build_model
 from slime_ext.sft_data import read_records, turn_records, write_records
+from slime_ext.slime import generate as generate_module
 from slime_ext.slime import metrics as hook_metrics
 from slime_ext.slime.generate import generate, loss_kind
 from slime_ext.slime.loss import loss as opd_loss
 from slime_ext.slime.reward import post_process_rewards, reward
 from slime_ext.slime.samples import METADATA_KEY, to_samples
-from slime_ext.slime.settings import HookConfigError
+from slime_ext.slime.settings import HookConfigError, config_path
 from slime_ext.slime.sft_rollout import SFTDataError, generate_rollout
 from teacher_server.app import create_app
 from teacher_server.hf_backend import HFBackend
@@ -53,6 +59,73 @@ def _scripted(factory_tokenizer: Any, think_policy: str = "drop") -> list[Trajec
 
 def _base(index: int, group: int = 0) -> slime.Sample:
     return slime.Sample(index=index, group_index=group, prompt="p", metadata={"source": "x"})
+
+
+def _task_sample(index: int) -> slime.Sample:
+    """slime's sample of an arithmetic training task, the task in its metadata."""
+    task = make_tasks(1, "train", seed=3)[0]
+    return slime.Sample(
+        index=index, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
+    )
+
+
+@dataclass(frozen=True)
+class _ServedHook:
+    """slime's arguments for the generate hook while its router and teacher serve."""
+
+    args: Any
+    router: str
+    tokenizer_dir: Path
+
+    def generate(
+        self, base: slime.Sample, sampling_params: dict[str, Any] | None = None
+    ) -> tuple[Any, generate_module.HookState]:
+        """slime's generate_and_rm through our hook, and the state the hook kept."""
+
+        async def rollout() -> tuple[Any, generate_module.HookState]:
+            samples = await slime.generate_and_rm(
+                self.args, base, sampling_params or {}, generate, reward
+            )
+            loop = id(asyncio.get_running_loop())
+            key = (config_path(self.args), self.router, str(self.tokenizer_dir), loop)
+            return samples, generate_module._state(*key)
+
+        return asyncio.run(rollout())
+
+
+@contextmanager
+def _served_hook(
+    backend: HFBackend,
+    tokenizer_dir: Path,
+    job_dir: Path,
+    *,
+    teacher: dict[str, Any],
+    algorithm: dict[str, Any] | None = None,
+    max_turns: int = 2,
+    max_new_tokens: int = 8,
+    student: torch.nn.Module | None = None,
+) -> Iterator[_ServedHook]:
+    """`student` (by default the teacher's own model: a self-teacher's snapshot) behind an
+    SGLang router stand-in, `backend` as the teacher app, and a TIR job with the `teacher`
+    and `algorithm` sections (the teacher's url added) as the hook's job config."""
+    policy_model = backend.scorer.model if student is None else student
+    with (
+        serve_in_thread(create_standin(policy_model, context_length=4096)) as router,
+        serve_in_thread(create_app(backend, backend.scorer.metrics)) as teacher_url,
+    ):
+        config = {
+            "model": {"tokenizer": str(tokenizer_dir)},
+            "rollout": {"harness": "tir", "max_turns": max_turns, "max_new_tokens": max_new_tokens},
+            "teacher": {**teacher, "url": teacher_url},
+            "algorithm": algorithm or {},
+        }
+        path = job_dir / "job.yaml"
+        path.write_text(yaml.safe_dump(config))
+        host, port = router.removeprefix("http://").split(":")
+        args = slime.slime_args(
+            opd_job_config=str(path), sglang_router_ip=host, sglang_router_port=int(port)
+        )
+        yield _ServedHook(args, router, tokenizer_dir)
 
 
 def test_per_turn_samples_are_context_plus_span_with_tier_masks(factory_tokenizer: Any) -> None:
@@ -221,26 +294,18 @@ def test_generate_hook_end_to_end_through_slimes_call_site(
     teacher_dir = build_checkpoint("qwen3-tiny", tmp_path / "teacher", seed=8)
     metrics = ServerMetrics()
     backend = HFBackend(teacher_dir, metrics, max_context=4096)
-    with (
-        serve_in_thread(create_standin(student, context_length=4096)) as router,
-        serve_in_thread(create_app(backend, metrics)) as teacher_url,
-    ):
-        host, port = router.removeprefix("http://").split(":")
-        job = tmp_path / "job.yaml"
-        job.write_text(
-            f"model:\n  tokenizer: {factory_dir}\n"
-            "rollout:\n  harness: tir\n  max_turns: 3\n  max_new_tokens: 12\n"
-            f"teacher:\n  kind: remote\n  url: {teacher_url}\n"
-        )
-        args = slime.slime_args(
-            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
-        )
-        base = slime.Sample(index=6, group_index=2, prompt="What is 2 + 3?", label="5")
-
-        async def rollout() -> Any:
-            return await slime.generate_and_rm(args, base, {"temperature": 1.0}, generate, reward)
-
-        samples = asyncio.run(rollout())
+    base = slime.Sample(index=6, group_index=2, prompt="What is 2 + 3?", label="5")
+    with _served_hook(
+        backend,
+        factory_dir,
+        tmp_path,
+        teacher={"kind": "remote"},
+        max_turns=3,
+        max_new_tokens=12,
+        student=student,
+    ) as hook:
+        samples, _ = hook.generate(base, {"temperature": 1.0})
+    args = hook.args
     assert isinstance(samples, list) and len(samples) >= 2  # junk replies: nudged, retried
     slime.validate_rollout_id_annotated([[samples]])
     assert all(s.rollout_id == 6 and s.reward is not None for s in samples)
@@ -339,36 +404,11 @@ def test_opsd_generate_hook_scores_with_a_hinted_snapshot(
 ) -> None:
     """Recipe opsd on slime: the teacher service is the student's own snapshot; the hook
     puts the reference hint into the teacher's contexts only."""
-    from rollout.tasks.arithmetic import make_tasks
-    from teacher_server.hf_backend import HFBackend as Backend
-
-    metrics = ServerMetrics()
-    backend = Backend(factory_dir, metrics, max_context=4096)
-    student = backend.scorer.model
-    task = make_tasks(1, "train", seed=3)[0]
-    with (
-        serve_in_thread(create_standin(student, context_length=4096)) as router,
-        serve_in_thread(create_app(backend, metrics)) as teacher_url,
-    ):
-        host, port = router.removeprefix("http://").split(":")
-        job = tmp_path / "job.yaml"
-        job.write_text(
-            f"model:\n  tokenizer: {factory_dir}\n"
-            "rollout:\n  harness: tir\n  max_turns: 2\n  max_new_tokens: 8\n"
-            f"teacher:\n  kind: self\n  url: {teacher_url}\n"
-            "algorithm:\n  recipe: opsd\n"
-        )
-        args = slime.slime_args(
-            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
-        )
-        base = slime.Sample(
-            index=9, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
-        )
-
-        async def rollout() -> Any:
-            return await slime.generate_and_rm(args, base, {}, generate, reward)
-
-        samples = asyncio.run(rollout())
+    backend = HFBackend(factory_dir, ServerMetrics(), max_context=4096)
+    with _served_hook(
+        backend, factory_dir, tmp_path, teacher={"kind": "self"}, algorithm={"recipe": "opsd"}
+    ) as hook:
+        samples, _ = hook.generate(_task_sample(9))
     assert samples and all(len(s.teacher_log_probs) == s.response_length for s in samples)
     hint = factory_tokenizer.decode(samples[0].tokens)
     assert "Hint" not in hint  # the student's context carries no hint
@@ -388,41 +428,13 @@ def test_opsd_generate_hook_asks_slimes_router_for_the_students_own_hint(
     never enters the student's samples and is counted in the hook's stats."""
     import httpx
 
-    from rollout.tasks.arithmetic import make_tasks
-    from slime_ext.slime import generate as generate_module
-    from teacher_server.hf_backend import HFBackend as Backend
-
-    metrics = ServerMetrics()
-    backend = Backend(factory_dir, metrics, max_context=4096)
-    task = make_tasks(1, "train", seed=3)[0]
-    with (
-        serve_in_thread(create_standin(backend.scorer.model, context_length=4096)) as router,
-        serve_in_thread(create_app(backend, metrics)) as teacher_url,
-    ):
-        host, port = router.removeprefix("http://").split(":")
-        job = tmp_path / "job.yaml"
-        job.write_text(
-            f"model:\n  tokenizer: {factory_dir}\n"
-            "rollout:\n  harness: tir\n  max_turns: 2\n  max_new_tokens: 8\n"
-            f"teacher:\n  kind: self\n  url: {teacher_url}\n  hint: student\n"
-            "  hint_max_new_tokens: 8\n"
-            "algorithm:\n  recipe: opsd\n"
-        )
-        args = slime.slime_args(
-            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
-        )
-        base = slime.Sample(
-            index=11, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
-        )
-
-        async def rollout() -> Any:
-            samples = await slime.generate_and_rm(args, base, {}, generate, reward)
-            loop = id(asyncio.get_running_loop())
-            state = generate_module._state(str(job), router, str(factory_dir), loop)
-            return samples, state
-
-        samples, state = asyncio.run(rollout())
-        headers = httpx.get(f"{router}/standin/headers").json()
+    backend = HFBackend(factory_dir, ServerMetrics(), max_context=4096)
+    teacher = {"kind": "self", "hint": "student", "hint_max_new_tokens": 8}
+    with _served_hook(
+        backend, factory_dir, tmp_path, teacher=teacher, algorithm={"recipe": "opsd"}
+    ) as hook:
+        samples, state = hook.generate(_task_sample(11))
+        headers = httpx.get(f"{hook.router}/standin/headers").json()
     assert samples and all(len(s.teacher_log_probs) == s.response_length for s in samples)
     assert state.hints is not None and state.hints.reads_attempt
     stats = state.hints.stats
@@ -466,8 +478,6 @@ def test_oprd_generate_hook_scores_each_turn_with_its_reminders(
     the student's samples; the local reminder raised by the first (invalid) reply is read
     before the next action only; the trajectory's own counts reach the rollout log."""
     from rollout.reminders import read_reminder_file
-    from rollout.tasks.arithmetic import make_tasks
-    from slime_ext.slime import generate as generate_module
 
     class RecordingBackend(HFBackend):
         """The snapshot service's backend, keeping every item it was asked to score."""
@@ -480,35 +490,12 @@ def test_oprd_generate_hook_scores_each_turn_with_its_reminders(
             self.items += items
             return await super().score(items)
 
-    metrics = ServerMetrics()
-    backend = RecordingBackend(factory_dir, metrics, max_context=4096)
-    task = make_tasks(1, "train", seed=3)[0]
-    with (
-        serve_in_thread(create_standin(backend.scorer.model, context_length=4096)) as router,
-        serve_in_thread(create_app(backend, metrics)) as teacher_url,
-    ):
-        host, port = router.removeprefix("http://").split(":")
-        job = tmp_path / "job.yaml"
-        job.write_text(
-            f"model:\n  tokenizer: {factory_dir}\n"
-            "rollout:\n  harness: tir\n  max_turns: 2\n  max_new_tokens: 8\n"
-            f"teacher:\n  kind: self\n  url: {teacher_url}\n"
-            "algorithm:\n  recipe: oprd\n  oprd_failure_loss: sampled\n"
-        )
-        args = slime.slime_args(
-            opd_job_config=str(job), sglang_router_ip=host, sglang_router_port=int(port)
-        )
-        base = slime.Sample(
-            index=13, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
-        )
-
-        async def rollout() -> Any:
-            samples = await slime.generate_and_rm(args, base, {}, generate, reward)
-            loop = id(asyncio.get_running_loop())
-            state = generate_module._state(str(job), router, str(factory_dir), loop)
-            return samples, state
-
-        samples, state = asyncio.run(rollout())
+    backend = RecordingBackend(factory_dir, ServerMetrics(), max_context=4096)
+    algorithm = {"recipe": "oprd", "oprd_failure_loss": "sampled"}
+    with _served_hook(
+        backend, factory_dir, tmp_path, teacher={"kind": "self"}, algorithm=algorithm
+    ) as hook:
+        samples, state = hook.generate(_task_sample(13))
     assert len(samples) == 2 and all(s.reward == 0.0 for s in samples)
     assert samples[0].metadata[METADATA_KEY]["mask_tier"] != 0  # junk: a local reminder
     assert all(s.loss_mask == [1] * s.response_length for s in samples)  # failure: KL mask

@@ -81,13 +81,15 @@ def _samples() -> tuple[list[slime.Sample], list[Tensor]]:
     return samples, logits
 
 
-def _reference(
-    samples: list[slime.Sample], logits: list[Tensor]
-) -> tuple[float, float, list[Tensor]]:
-    """Loss value, opd_reverse_kl and d(loss)/d(logits), by plain torch."""
-    leaves = [x.clone().requires_grad_(True) for x in logits]
+def _per_rollout(
+    samples: list[slime.Sample], leaves: list[Tensor]
+) -> dict[int, list[tuple[Tensor, Tensor, Tensor]]]:
+    """Per rollout, each sample's student log-probs of its response tokens (from its logits
+    at TEMPERATURE), teacher log-probs and loss mask; removable placeholders are in none."""
     per_rollout: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {}
     for sample, x in zip(samples, leaves, strict=True):
+        if sample.remove_sample:
+            continue
         response = sample.response_length
         targets = torch.tensor(sample.tokens[-response:])
         rows = x[len(sample.tokens) - response - 1 : len(sample.tokens) - 1] / TEMPERATURE
@@ -96,6 +98,15 @@ def _reference(
         mask = torch.tensor(sample.loss_mask, dtype=torch.float)
         assert sample.rollout_id is not None
         per_rollout.setdefault(sample.rollout_id, []).append((student, teacher, mask))
+    return per_rollout
+
+
+def _reference(
+    samples: list[slime.Sample], logits: list[Tensor]
+) -> tuple[float, float, list[Tensor]]:
+    """Loss value, opd_reverse_kl and d(loss)/d(logits), by plain torch."""
+    leaves = [x.clone().requires_grad_(True) for x in logits]
+    per_rollout = _per_rollout(samples, leaves)
     value = kl = surrogate = torch.zeros(())
     for parts in per_rollout.values():
         denom = sum(float(m.sum()) for _, _, m in parts)
@@ -143,18 +154,7 @@ def _oprd_reference(
     failures of their token-mean k_t (gradient: stopgrad(k_t) * s); the placeholder is in
     neither branch."""
     leaves = [x.clone().requires_grad_(True) for x in logits]
-    per_rollout: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {}
-    for sample, x in zip(samples, leaves, strict=True):
-        if sample.remove_sample:
-            continue
-        response = sample.response_length
-        targets = torch.tensor(sample.tokens[-response:])
-        rows = x[len(sample.tokens) - response - 1 : len(sample.tokens) - 1] / TEMPERATURE
-        student = torch.log_softmax(rows, -1).gather(-1, targets[:, None])[:, 0]
-        teacher = torch.tensor(sample.teacher_log_probs)
-        mask = torch.tensor(sample.loss_mask, dtype=torch.float)
-        assert sample.rollout_id is not None
-        per_rollout.setdefault(sample.rollout_id, []).append((student, teacher, mask))
+    per_rollout = _per_rollout(samples, leaves)
     nll, kl_pos, kl_neg, surrogate = [], [], [], []
     for rollout_id, parts in per_rollout.items():
         denom = sum(float(m.sum()) for _, _, m in parts)
@@ -186,6 +186,22 @@ def _oprd_data(args: Any, samples: list[slime.Sample], cp_rank: int, cp_size: in
     return data
 
 
+def _single_process_loss(
+    args: Any, data: dict[str, Any], logits: list[Tensor], step_global_batch_size: int
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """slime's loss call on one process with all of `data` as the step's one micro-batch,
+    backward done: the loss, its log and d(loss)/d(logits) (the logits packed)."""
+    batch = slime.batch_for_rank(data, range(len(logits)), 0, 1)
+    packed = torch.cat(logits)[None].clone().requires_grad_(True)
+    loss, log = slime.call_loss(
+        args, batch, packed, opd_loss, 0, 1, num_microbatches=1,
+        step_global_batch_size=step_global_batch_size, dp_cp_size=1,
+    )  # fmt: skip
+    loss.backward()
+    assert packed.grad is not None
+    return loss, log, packed.grad[0]
+
+
 def test_cp_response_slices_match_slimes_offsets() -> None:
     for cp_size in (1, 2, 3):
         for total in range(2, 30):
@@ -210,17 +226,10 @@ def test_single_process_loss_is_the_per_trajectory_mean(
     expected_loss, expected_kl, expected_grads = _reference(samples, logits)
     args = slime.slime_args(rollout_temperature=TEMPERATURE)
     data = slime.convert_samples_to_train_data(args, samples)
-    batch = slime.batch_for_rank(data, range(len(samples)), 0, 1)
-    packed = torch.cat(logits)[None].clone().requires_grad_(True)
-    loss, log = slime.call_loss(
-        args, batch, packed, opd_loss, 0, 1, num_microbatches=1,
-        step_global_batch_size=3, dp_cp_size=1,
-    )  # fmt: skip
-    loss.backward()
+    loss, log, grad = _single_process_loss(args, data, logits, step_global_batch_size=3)
     assert float(loss) == pytest.approx(expected_loss, abs=ATOL)
     assert float(log["opd_reverse_kl"]) / 3 == pytest.approx(expected_kl, abs=ATOL)
-    assert packed.grad is not None
-    assert torch.allclose(packed.grad[0], torch.cat(expected_grads), atol=ATOL)
+    assert torch.allclose(grad, torch.cat(expected_grads), atol=ATOL)
 
 
 def test_oprd_branch_shares_divide_each_training_step_among_its_branches() -> None:
@@ -272,22 +281,16 @@ def test_oprd_loss_is_lambda_weighted_branch_means_of_nll_and_sampled_kl(
     samples, logits = _oprd_samples()
     expected_loss, expected_metrics, expected_grads = _oprd_reference(samples, logits)
     args = slime.slime_args(rollout_temperature=TEMPERATURE, global_batch_size=4)
-    batch = slime.batch_for_rank(_oprd_data(args, samples, 0, 1), range(len(samples)), 0, 1)
-    packed = torch.cat(logits)[None].clone().requires_grad_(True)
-    loss, log = slime.call_loss(
-        args, batch, packed, opd_loss, 0, 1, num_microbatches=1,
-        step_global_batch_size=4, dp_cp_size=1,
-    )  # fmt: skip
-    loss.backward()
+    data = _oprd_data(args, samples, 0, 1)
+    loss, log, grad = _single_process_loss(args, data, logits, step_global_batch_size=4)
     assert float(loss) == pytest.approx(expected_loss, abs=ATOL)
     for key, value in expected_metrics.items():  # slime divides the logged sums by G
         assert float(log[key]) / 4 == pytest.approx(value, abs=ATOL), key
-    assert packed.grad is not None
-    assert torch.allclose(packed.grad[0], torch.cat(expected_grads), atol=ATOL)
+    assert torch.allclose(grad, torch.cat(expected_grads), atol=ATOL)
     # the success's masked turn and the placeholder get no gradient
     starts = [0, *itertools.accumulate(len(x) for x in logits)]
     for index in (1, len(samples) - 1):
-        assert torch.count_nonzero(packed.grad[0, starts[index] : starts[index + 1]]) == 0
+        assert torch.count_nonzero(grad[starts[index] : starts[index + 1]]) == 0
 
 
 def test_oprd_loss_without_branch_shares_names_the_missing_hook(
