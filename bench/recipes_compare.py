@@ -1,19 +1,34 @@
-"""Recipes at equal steps on the same held-out set: OPD vs outcome RL vs SFT on teacher
+"""Recipes at equal steps, each on its held-out set: OPD vs outcome RL vs SFT on teacher
 traces, OPSD (the student's frozen snapshot with a reference hint) vs its no-hint
 control, and OPRD (the snapshot with rule reminders, in the trainer's process).
 
-Each recipe trains the bundled student for `--steps` steps with `--seeds` seeds (the
+Each recipe trains its student for `--steps` steps with `--seeds` seeds (the
 seed changes sampling and data order); greedy held-out accuracy after each run; mean
-and a 95% interval over seeds per recipe; for the self-teacher recipes also the first
-step's rollout/opd_reverse_kl (the hint is what makes the snapshot differ).
+and a 95% interval over seeds per recipe; for the self-teacher recipes also
+rollout/opd_reverse_kl at the first step and averaged over steps (the hint is what makes
+the snapshot differ).
 
-A self-teacher helps only if the model can use what its context adds. The bundled
-student never saw a hint in its SFT data, and its hinted snapshot is a worse teacher than
-itself (OPSD at 20 steps: 0% held-out, seed 0). An LLM reads a hint by following
-instructions; the bench gives the small student that skill first: `--hint-literate-steps`
-SFT steps (lr 1e-3) on worked traces, half of them with the reference hint in the user
-message exactly as the OPSD teacher sees it. The self-teacher recipes (opsd, opsd_nohint,
-oprd) all start from that student, and its own held-out accuracy is printed.
+A self-teacher helps only where its context adds something the model can use. On the
+default families the reference hint ("the answer is the value of <expression>") says
+nothing a model that knows the templates does not: measured, a student taught to read
+hints scored lower with one (61% vs 77% held-out after 240 SFT steps) and OPSD on them
+lost to its control. The self-teacher recipes therefore train and evaluate on the
+`unseen` rephrasings (rollout/tasks/arithmetic.yaml): wordings no model here trained on,
+whose operation only the hint names. Their model must also copy reliably: the bundled
+student garbles copied numbers (300 hint-reading steps from it: 10% held-out with the hint,
+2% without), so they start from the bundled teacher checkpoint (greedy 91.5% on the
+default families), taught to read hints by `--hint-literate-steps` SFT steps (lr 1e-3) of
+16 traces: 8 default-family ones (half hinted) and 8 `practice` rephrasings, always
+hinted, in the user message exactly as the OPSD teacher sees it; some practice wordings
+leave the operation open, so only the hint answers them (measured at 150 steps: 51% on
+the unseen rephrasings with the hint, 1% without, 97% on the default families). That
+model's held-out accuracy on the unseen rephrasings with and without the hint is printed
+before the runs; a self-teacher can only pass on the difference. Measured (2026-11-29,
+`--recipes opsd,opsd_nohint --seeds 3 --steps 12 --n-heldout 300`, about 50 minutes):
+start 1.7% without the hint, 39.7% with it; OPSD 11.8% [5.5%, 18.1%] (15.3, 14.7, 5.3)
+vs no-hint 1.6% [1.0%, 2.1%] (1.7, 1.0, 2.0); opd_reverse_kl at the first step 0.553 vs
+0.000, averaged over steps 0.453 vs 0.055 (the control's snapshot drifts from the student
+only as the student moves).
 Not run by CI (tens of minutes on 2 cores).
 
     .venv/bin/python bench/recipes_compare.py [--steps 20] [--seeds 3] [--n-heldout 300]
@@ -30,7 +45,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from rollout.tasks.arithmetic import make_tasks, trace_messages
+from rollout.harness.prompts import read_prompts
+from rollout.tasks.arithmetic import make_tasks, rephrased_families, trace_messages
+from rollout.trajectory import Task
 from slime_ext.local.demo_models import trace_trajectories
 from slime_ext.local.loop import LocalRun, embedded_teacher, tir_harness
 from slime_ext.local.opd_demo import _accuracy, bundled_models, demo_job
@@ -45,6 +62,7 @@ def run_recipe(
     student_dir: Path,
     root: Path,
     lr: float | None = None,
+    families: list[str] | None = None,
 ) -> list[float]:
     run_dir = root / f"{recipe}-{seed}"
     job = demo_job(run_dir, steps).model_copy(deep=True)
@@ -60,7 +78,7 @@ def run_recipe(
         job.teacher.hint = "none"
         job.teacher.snapshot = "refresh"
     job.logging.wandb_mode = "disabled"
-    tasks = make_tasks(4000, "train", seed=seed)
+    tasks = make_tasks(4000, "train", seed=seed, families=families)
     run = LocalRun(job, student_dir, run_dir)
     if recipe == "sft_traces":
         # SFT on the teacher's kind of data: worked traces, no rollouts.
@@ -79,47 +97,59 @@ def run_recipe(
     elif recipe.startswith("opsd"):  # the teacher: a frozen snapshot of the student
         with embedded_teacher(student_dir, run_dir / "teacher.log") as url:
             history = asyncio.run(run.train(tasks, url))
-        FIRST_KL[(recipe, seed)] = history[0].get("rollout/opd_reverse_kl", float("nan"))
+        KL[(recipe, seed)] = [m.get("rollout/opd_reverse_kl", math.nan) for m in history]
     elif recipe == "oprd":
         history = asyncio.run(run.train(tasks, None))
-        FIRST_KL[(recipe, seed)] = history[0].get("rollout/opd_reverse_kl", float("nan"))
+        KL[(recipe, seed)] = [m.get("rollout/opd_reverse_kl", math.nan) for m in history]
     else:
         asyncio.run(run.train(tasks, None))
     return asyncio.run(_accuracy(run_dir / "checkpoint", heldout))
 
 
-FIRST_KL: dict[tuple[str, int], float] = {}
+KL: dict[tuple[str, int], list[float]] = {}
+"""rollout/opd_reverse_kl of each step, per self-teacher run."""
 SELF_TEACHER_RECIPES = ("opsd", "opsd_nohint", "oprd")
 
 
-def hint_literate_student(student_dir: Path, out_dir: Path, steps: int, seed: int = 0) -> Path:
-    """The bundled student after `steps` SFT steps on traces, half of them hinted."""
+def with_hint(task: Task, prompts: dict[str, str]) -> Task:
+    """The task as the OPSD teacher sees it: the reference hint after the problem."""
+    hint = prompts["reference_expression"].format(expression=task.metadata["expression"])
+    return task.model_copy(update={"prompt": task.prompt + prompts["insert"].format(hint=hint)})
+
+
+def hint_literate_student(base_dir: Path, out_dir: Path, steps: int, seed: int = 0) -> Path:
+    """`base_dir`'s model after `steps` SFT steps of 16 traces: 8 default-family ones
+    (half hinted, so the default skill stays) and 8 `practice` rephrasings, all hinted
+    (their wording is new: the hint is the way to the expression)."""
     import random
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout.chat import ChatRenderer, trajectory_from_conversation
-    from rollout.harness.prompts import read_prompts
     from rollout.trajectory import MaskTier
     from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(student_dir)
-    model = AutoModelForCausalLM.from_pretrained(student_dir)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
     harness = tir_harness()
     renderer = ChatRenderer(tokenizer, harness.tools)
     prompts = read_prompts("hints")
     rng = random.Random(seed)
+    known = make_tasks(steps * 8, "train", seed=1000 + seed)
+    practice = make_tasks(
+        steps * 8, "train", seed=1000 + seed, families=rephrased_families("practice")
+    )
+    pairs: list[tuple[Task, Task]] = []  # (what the model is shown, the task)
+    for step in range(steps):
+        for task in known[step * 8 : (step + 1) * 8]:
+            pairs.append((with_hint(task, prompts) if rng.random() < 0.5 else task, task))
+        for task in practice[step * 8 : (step + 1) * 8]:
+            pairs.append((with_hint(task, prompts), task))
     data = []
-    for task in make_tasks(steps * 16, "train", seed=1000 + seed):
-        messages = harness.initial_messages(task)
-        if rng.random() < 0.5:  # the teacher's view: the hint after the task
-            hint = prompts["reference_expression"].format(expression=task.metadata["expression"])
-            messages[-1] = {
-                **messages[-1],
-                "content": messages[-1]["content"] + prompts["insert"].format(hint=hint),
-            }
+    for view, task in pairs:
+        messages = harness.initial_messages(view) + trace_messages(task)
         trajectory = trajectory_from_conversation(
-            renderer, task, messages + trace_messages(task), task.task_id, reward=1.0
+            renderer, task, messages, task.task_id, reward=1.0
         )
         trajectory.turns[-1].mask_tier = MaskTier.VALID
         data.append(trajectory)
@@ -155,44 +185,80 @@ def main() -> None:
     parser.add_argument(
         "--hint-literate-steps",
         type=int,
-        default=60,
+        default=150,
         help="SFT steps that teach the self-teacher recipes' student to read hints (0: off)",
+    )
+    parser.add_argument(
+        "--self-student",
+        type=Path,
+        default=None,
+        help="a hint-literate student made before (its directory): skips the SFT steps",
+    )
+    parser.add_argument(
+        "--save-self-student",
+        type=Path,
+        default=None,
+        help="keep the hint-literate student made here in this directory",
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     student_dir, teacher_dir = bundled_models()
     heldout = make_tasks(args.n_heldout, "heldout", seed=1)
+    unseen = rephrased_families("unseen")
+    self_heldout = make_tasks(args.n_heldout, "heldout", seed=1, families=unseen)
     results: dict[str, list[float]] = {}
     recipes = args.recipes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        self_student = student_dir
-        if args.hint_literate_steps and set(recipes) & set(SELF_TEACHER_RECIPES):
-            self_student = hint_literate_student(
-                student_dir, Path(tmp) / "student-hint-literate", args.hint_literate_steps
-            )
-            start = asyncio.run(_accuracy(self_student, heldout))
-            print(f"hint-literate student: {sum(start) / len(start):.1%} held-out", flush=True)
-        for recipe in recipes:
-            for seed in range(args.seeds):
-                start_dir = self_student if recipe in SELF_TEACHER_RECIPES else student_dir
+        self_student = args.self_student or student_dir
+        wanted = bool(set(recipes) & set(SELF_TEACHER_RECIPES))
+        if args.self_student is None and args.hint_literate_steps and wanted:
+            out = args.save_self_student or Path(tmp) / "student-hint-literate"
+            self_student = hint_literate_student(teacher_dir, out, args.hint_literate_steps)
+        if wanted:
+            prompts = read_prompts("hints")
+            hinted = [with_hint(task, prompts) for task in self_heldout]
+            for name, tasks in (("without", self_heldout), ("with", hinted)):
+                start = asyncio.run(_accuracy(self_student, tasks))
+                print(
+                    f"self-teacher recipes' student, unseen rephrasings {name} the hint: "
+                    f"{sum(start) / len(start):.1%} held-out",
+                    flush=True,
+                )
+        for seed in range(args.seeds):  # seed-major: each seed's recipes pair up early
+            for recipe in recipes:
+                self_teacher = recipe in SELF_TEACHER_RECIPES
                 lr = args.lr
-                if recipe in SELF_TEACHER_RECIPES and args.self_teacher_lr is not None:
+                if self_teacher and args.self_teacher_lr is not None:
                     lr = args.self_teacher_lr
                 correct = run_recipe(
-                    recipe, seed, args.steps, heldout, teacher_dir, start_dir, Path(tmp), lr
+                    recipe,
+                    seed,
+                    args.steps,
+                    self_heldout if self_teacher else heldout,
+                    teacher_dir,
+                    self_student if self_teacher else student_dir,
+                    Path(tmp),
+                    lr,
+                    unseen if self_teacher else None,
                 )
                 results.setdefault(recipe, []).append(sum(correct) / len(correct))
                 print(f"{recipe} seed {seed}: {results[recipe][-1]:.1%}", flush=True)
     for recipe, accuracies in results.items():
         low, high = interval(accuracies)
+        where = "unseen rephrasings" if recipe in SELF_TEACHER_RECIPES else "default families"
         print(
-            f"{recipe:>10}: mean {statistics.fmean(accuracies):.1%} "
-            f"[{low:.1%}, {high:.1%}] over {len(accuracies)} seeds"
+            f"{recipe:>11}: mean {statistics.fmean(accuracies):.1%} "
+            f"[{low:.1%}, {high:.1%}] over {len(accuracies)} seeds ({where})"
         )
-    for recipe in ("opsd", "opsd_nohint", "oprd"):
-        kls = [v for (r, _), v in FIRST_KL.items() if r == recipe]
-        if kls:
-            print(f"{recipe:>11}: first-step opd_reverse_kl mean {statistics.fmean(kls):.4f}")
+    for recipe in SELF_TEACHER_RECIPES:
+        runs = [kls for (name, _), kls in KL.items() if name == recipe]
+        if runs:
+            first = statistics.fmean(kls[0] for kls in runs)
+            overall = statistics.fmean(statistics.fmean(kls) for kls in runs)
+            print(
+                f"{recipe:>11}: opd_reverse_kl first step {first:.4f}, "
+                f"mean over steps {overall:.4f}"
+            )
 
 
 if __name__ == "__main__":
