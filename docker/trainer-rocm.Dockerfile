@@ -19,7 +19,7 @@ ARG SLIME_REPO=https://github.com/THUDM/slime.git
 # Image packages pip may replace (space-separated names); empty keeps every one as it is.
 ARG UNPINNED=""
 # The same hooks and flags as docker/trainer.Dockerfile.
-ENV OPD_SLIME_HOOKS="slime_ext.slime.generate.generate slime_ext.slime.reward.reward slime_ext.slime.reward.post_process_rewards slime_ext.slime.loss.loss slime_ext.slime.metrics.log_rollout slime_ext.slime.sft_rollout.generate_rollout" \
+ENV OPD_SLIME_HOOKS="slime_ext.slime.generate.generate slime_ext.slime.reward.reward slime_ext.slime.reward.post_process_rewards slime_ext.slime.loss.loss slime_ext.slime.metrics.log_rollout slime_ext.slime.sft_rollout.generate_rollout slime_ext.slime.oprd.post_process_rewards slime_ext.slime.oprd.advantages" \
     RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES=1
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

@@ -19,8 +19,10 @@ FROM ${BASE}
 #   --loss-type custom_loss --custom-loss-function-path slime_ext.slime.loss.loss
 #   --custom-rollout-log-function-path  slime_ext.slime.metrics.log_rollout
 #   --rollout-function-path             slime_ext.slime.sft_rollout.generate_rollout (SFT/SSD)
+#   OPRD: --custom-reward-post-process-path slime_ext.slime.oprd.post_process_rewards
+#         --custom-advantage-function-path  slime_ext.slime.oprd.advantages
 # The build loads each one with slime's loader, so a hook that does not import fails here.
-ENV OPD_SLIME_HOOKS="slime_ext.slime.generate.generate slime_ext.slime.reward.reward slime_ext.slime.reward.post_process_rewards slime_ext.slime.loss.loss slime_ext.slime.metrics.log_rollout slime_ext.slime.sft_rollout.generate_rollout"
+ENV OPD_SLIME_HOOKS="slime_ext.slime.generate.generate slime_ext.slime.reward.reward slime_ext.slime.reward.post_process_rewards slime_ext.slime.loss.loss slime_ext.slime.metrics.log_rollout slime_ext.slime.sft_rollout.generate_rollout slime_ext.slime.oprd.post_process_rewards slime_ext.slime.oprd.advantages"
 # Image packages pip may replace (space-separated names); empty keeps every one as it is.
 ARG UNPINNED=""
 
