@@ -46,6 +46,7 @@ import warnings
 from pathlib import Path
 
 from rollout.harness.prompts import read_prompts
+from rollout.hints import ReferenceHint
 from rollout.tasks.arithmetic import make_tasks, rephrased_families, trace_messages
 from rollout.trajectory import Task
 from slime_ext.local.demo_models import trace_trajectories
@@ -111,9 +112,13 @@ KL: dict[tuple[str, int], list[float]] = {}
 SELF_TEACHER_RECIPES = ("opsd", "opsd_nohint", "oprd")
 
 
+REFERENCE_HINT = ReferenceHint()
+
+
 def with_hint(task: Task, prompts: dict[str, str]) -> Task:
     """The task as the OPSD teacher sees it: the reference hint after the problem."""
-    hint = prompts["reference_expression"].format(expression=task.metadata["expression"])
+    hint = REFERENCE_HINT.text(task)
+    assert hint is not None, f"{task.task_id} has no reference to hint with"
     return task.model_copy(update={"prompt": task.prompt + prompts["insert"].format(hint=hint)})
 
 

@@ -129,6 +129,10 @@ class ReferenceHint:
         self.prompts = read_prompts("hints")
 
     async def hint(self, task: Task, attempt: str | None = None) -> str | None:
+        return self.text(task)
+
+    def text(self, task: Task) -> str | None:
+        """The hint for `task` (no I/O: callers outside a rollout use it directly)."""
         if "solution" in task.metadata:
             return str(self.prompts["reference_solution"]).format(
                 solution=task.metadata["solution"]
