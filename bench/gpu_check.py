@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from packing import synthetic  # bench/packing.py: the script's directory is on sys.path
 from torch import Tensor
 
-from rollout.trajectory import Task, Trajectory, TrajectoryStatus, Turn
 from slime_ext.flex_tree import flex_tree
 from slime_ext.local.factory import build_checkpoint, build_model, build_tokenizer
 from slime_ext.losses import (
@@ -167,30 +167,9 @@ def check_teacher(requests: int, context: int, span: int, preset: str, device: s
     return diff < 0.5
 
 
-def _trajectory(turns: int, prompt: int, think: int, action: int) -> Trajectory:
-    """Think dropped: every turn's span is a branch; observations as long as actions."""
-    rng = random.Random(0)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(5, 800) for _ in range(n)]
-
-    trunk, steps = ids(prompt), []
-    for _ in range(turns):
-        span = ids(think + action)
-        steps.append(Turn(context_len=len(trunk), span_ids=span, think_len=think))
-        trunk = trunk + span[think:] + ids(action)
-    return Trajectory(
-        trajectory_id="gpu_check",
-        task=Task(task_id="gpu_check", kind="synthetic", prompt="p"),
-        trunk_ids=trunk,
-        turns=steps,
-        status=TrajectoryStatus.COMPLETED,
-        status_reason="done",
-    )
-
-
 def check_flex(turns: int, preset: str, device: str) -> bool:
-    trajectory = _trajectory(turns, prompt=256, think=96, action=32)
+    # think dropped: every turn's span is a branch; observations as long as actions
+    trajectory = synthetic(turns, prompt=256, think=96, action=32, observation=32)
     packed = pack_trajectory(trajectory)
     model: Any = build_model(preset, build_tokenizer(), seed=0)
     model.to(device).eval()
