@@ -4,7 +4,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean sandbox-tools
+.PHONY: demo test lint clean sandbox-tools slime
+
+# slime (not on PyPI) for the real-slime tests, at the commit the hooks are tested against:
+# the vendored tarball where this checkout sits beside ../shared, else GitHub (or name a
+# .tar.gz, a checkout or a git URL: make test SLIME_SOURCE=...)
+SLIME_COMMIT := 624b824a898ab0ec1fcb4d373004c7f3852bf515
+SLIME_VENDOR := ../shared/vendor/slime-624b824a.tar.gz
+SLIME_SOURCE ?= $(if $(wildcard $(SLIME_VENDOR)),$(SLIME_VENDOR),git+https://github.com/THUDM/slime@$(SLIME_COMMIT))
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +31,10 @@ sandbox-tools:
 demo: $(STAMP) sandbox-tools
 	$(BIN)/opd demo
 
-test: $(STAMP) sandbox-tools
+slime: $(STAMP)
+	bash tests/install_slime.sh "$(SLIME_SOURCE)" "$(VENV)"
+
+test: $(STAMP) sandbox-tools slime
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -101,7 +101,9 @@ def loss(
     if job.algorithm.recipe == "oprd":
         return _oprd_loss(job, args, batch, slices, student, mask, sum_of_sample_mean)
     result, kl = _recipe_loss(job.algorithm.recipe, args, batch, slices, student, mask)
-    total = sum_of_sample_mean(result.per_token * job.algorithm.kl_coef)
+    # kl_coef weighs the KL to the teacher only, as in the local trainer
+    coef = job.algorithm.kl_coef if kl is not None else 1.0
+    total = sum_of_sample_mean(result.per_token * coef)
     if kl is None:
         zero = torch.zeros((), device=rows.device)
         kl_metric, above = zero, zero

@@ -43,18 +43,24 @@ def log_rollout(
 
 def sample_metrics(samples: list[Any]) -> dict[str, float]:
     summaries: dict[int, dict[str, Any]] = {}
+    records: dict[int, list[int]] = {}
     kl_by_rollout: dict[int, tuple[float, float, int]] = {}
     for sample in samples:
         summary = (sample.metadata or {}).get(METADATA_KEY)
         if summary is None:
             continue
         rid = rollout_id_of(sample)
+        if "num_turns" not in summary:  # a pre-tokenized record (sft_rollout): no episode
+            records.setdefault(rid, []).append(int(sample.response_length))
+            continue
         summaries.setdefault(rid, summary)
         if sample.teacher_log_probs is None or sample.remove_sample:
             continue
         kl, above, tokens = _sampled_kl(sample)
         old = kl_by_rollout.get(rid, (0.0, 0.0, 0))
         kl_by_rollout[rid] = (old[0] + kl, old[1] + above, old[2] + tokens)
+    if records and not summaries:
+        return record_metrics(records)
     metrics = summary_metrics(list(summaries.values()))
     metrics["rollout/drift_turns"] = float(sum(s.get("drift_turns", 0) for s in summaries.values()))
     hint_stats: list[dict[str, float]] = [
@@ -75,6 +81,17 @@ def sample_metrics(samples: list[Any]) -> dict[str, float]:
         metrics["rollout/opd_reverse_kl"] = sum(m[0] for m in means) / len(means)
         metrics["rollout/student_gt_teacher_frac"] = sum(m[1] for m in means) / len(means)
     return metrics
+
+
+def record_metrics(records: dict[int, list[int]]) -> dict[str, float]:
+    """SFT / SSD data (pre-tokenized records, one list of span lengths per trajectory)."""
+    turns = [len(spans) for spans in records.values()]
+    spans = [length for lengths in records.values() for length in lengths]
+    return {
+        "rollout/num_turns": sum(turns) / len(turns),
+        "rollout/tokens_per_turn": sum(spans) / len(spans),
+        "rollout/trajectories": float(len(turns)),
+    }
 
 
 def _hints_asked(stats: dict[str, float]) -> float:

@@ -19,6 +19,7 @@ from collections import defaultdict
 from typing import Any
 
 from slime_ext.slime.samples import METADATA_KEY, rollout_id_of
+from slime_ext.slime.settings import UNSUPPORTED_SLIME_ARGS, HookConfigError
 
 STD_ESTIMATORS = ("grpo", "gspo", "cispo")
 MEAN_ESTIMATORS = (*STD_ESTIMATORS, "reinforce_plus_plus_baseline")
@@ -26,6 +27,10 @@ MEAN_ESTIMATORS = (*STD_ESTIMATORS, "reinforce_plus_plus_baseline")
 
 async def reward(args: Any, samples: Any) -> Any:
     """The trajectory's reward recorded by the generate hook (a list for a list)."""
+    if getattr(args, "group_rm", False) or (
+        isinstance(samples, list) and any(isinstance(s, list) for s in samples)
+    ):
+        raise HookConfigError(f"--group-rm: {UNSUPPORTED_SLIME_ARGS['group_rm']}")
     if isinstance(samples, list):
         return [_trajectory_reward(s) for s in samples]
     return _trajectory_reward(samples)

@@ -16,6 +16,24 @@ from typing import Any
 from launch.config import OPRD_ON_SLIME, JobConfig, load_config
 
 CONFIG_KEY = "opd_job_config"
+UNSUPPORTED_SLIME_ARGS = {
+    "group_rm": (
+        "slime then rewards a whole group at once and assigns the rewards to the group's "
+        "members, which are our per-turn sample lists (slime/rollout/sglang_rollout.py, "
+        "generate_and_rm_group); our generate hook grades each trajectory in its episode: "
+        "drop --group-rm"
+    ),
+    "allgather_cp": (
+        "slime then lays context-parallel chunks out contiguously over the packed batch; "
+        "our loss reads slime's default zigzag layout and would train on the wrong rows: "
+        "drop --allgather-cp"
+    ),
+    "calculate_per_token_loss": (
+        "slime would then average over all tokens of the step, while every recipe here is "
+        "normalized per trajectory (slime's per-rollout means, DESIGN.md invariant 7): drop it"
+    ),
+}
+"""slime arguments whose data layout or reduction our hooks cannot honour, and why."""
 CONFIG_ENV = "OPD_JOB_CONFIG"
 
 
@@ -54,6 +72,18 @@ def _check_against_slime(job: JobConfig, args: Any) -> None:
     which is the job's. They must be the same number."""
     if job.algorithm.recipe == "oprd" and job.algorithm.oprd_failure_loss != "sampled":
         raise HookConfigError(OPRD_ON_SLIME)
+    for flag, why in UNSUPPORTED_SLIME_ARGS.items():
+        if getattr(args, flag, False):
+            raise HookConfigError(f"--{flag.replace('_', '-')}: {why}")
+    top_p = getattr(args, "rollout_top_p", None)
+    if top_p is not None and float(top_p) != 1.0:
+        raise HookConfigError(
+            f"--rollout-top-p {top_p}: slime then requires every sample to carry the "
+            "top-p kept-token sets of its response (rollout_top_p_token_ids) and recomputes "
+            "log-probs on them; our per-turn samples carry none and the sampled reverse KL is "
+            "on-policy only for untruncated sampling: set rollout.top_p 1 (and no "
+            "--rollout-top-p)"
+        )
     slime_temperature = getattr(args, "rollout_temperature", None)
     if slime_temperature is not None and float(slime_temperature) != job.rollout.temperature:
         raise HookConfigError(

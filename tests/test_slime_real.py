@@ -1,0 +1,511 @@
+"""Our hooks driven by THUDM/slime's OWN code (the pinned commit, `make slime`), on CPU.
+
+For every recipe `opd launch` runs on slime, the arguments `opd launch` writes are parsed by
+slime's own argument parser, and slime's real functions carry our samples from the
+generate hook's return to the loss scalar:
+
+    RolloutManager._get_rollout_data (the rollout-id contract, flattening)
+    -> log_rollout_data (our rollout-log hook) -> _convert_samples_to_train_data (our
+    reward post-process) -> _split_train_data_by_dp (dp_schedule) -> [gloo ranks]
+    MegatronTrainRayActor._get_rollout_data (CP slicing) -> get_log_probs_and_entropy (the
+    recomputed log_probs) -> compute_advantages_and_returns (our advantage hook for OPRD)
+    -> get_data_iterator / get_batch -> loss_function (our custom loss) ->
+    reduce_train_step_metrics (what slime logs)
+
+with megatron-core's parallel_state over gloo at TP x CP x DP = 1x1x1, 2x1x1, 1x2x2 and
+2x2x1. The model is replaced by given logits (issue 21 runs Megatron's model): the loss,
+its gradient with respect to every rank's logits (scaled as Megatron's schedule and DDP
+scale them) and the logged metrics equal a plain-torch single-process reference.
+
+Only what cannot exist on CPU is a stand-in (tests/slime_cpu.py: import-only sglang,
+torch_memory_saver, megatron.training; Ray's object store is bypassed by handing slime's
+Box its payload). Without slime the module skips, saying how to install it; under CI it
+fails instead (CI must run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import warnings
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+from tests import slime_cpu
+
+slime_cpu.install()
+if not slime_cpu.slime_installed():
+    if os.environ.get("CI"):
+        pytest.fail(slime_cpu.HOW_TO_INSTALL, pytrace=False)
+    pytest.skip(slime_cpu.HOW_TO_INSTALL, allow_module_level=True)
+
+from launch.config import config_from_dict  # noqa: E402
+from launch.plan import train_args  # noqa: E402
+from rollout.trajectory import TrajectoryStatus  # noqa: E402
+from slime_ext.sft_data import turn_records, write_records  # noqa: E402
+from slime_ext.slime.samples import to_samples  # noqa: E402
+from slime_ext.slime.settings import HookConfigError  # noqa: E402
+from tests.live_server import free_port  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+RECIPES = ("opd", "opsd", "oprd", "rl", "sft", "ssd")
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 1)]
+"""(TP, CP, DP) of the gloo runs."""
+TEMPERATURE = 0.8
+KL_COEF = 0.5
+LAMBDA_POS, LAMBDA_NEG = 0.5, 2.0
+ATOL = 1e-5
+MAX_TOKENS_PER_GPU = 320
+# rollouts: (trajectory of _scripted: 0 mul (reward 1), 1 half, 2 wrong (0)), group;
+# an aborted trajectory becomes a removable placeholder
+ROLLOUTS = [(0, 0), (2, 0), (1, 1), ("aborted", 1), (0, 2), (1, 2)]
+
+
+def job_dict(recipe: str, tmp_path: Path) -> dict[str, Any]:
+    """A cluster job of `recipe` whose plan `opd launch` accepts."""
+    teacher: dict[str, Any] = {"kind": "remote", "url": "http://127.0.0.1:9"}
+    algorithm: dict[str, Any] = {"recipe": recipe, "kl_coef": KL_COEF, "steps": 2}
+    if recipe in ("opsd", "oprd"):
+        teacher = {"kind": "self", "url": "http://127.0.0.1:9", "snapshot": "fixed"}
+    if recipe == "oprd":
+        algorithm |= {
+            "oprd_failure_loss": "sampled",
+            "oprd_success_weight": LAMBDA_POS,
+            "oprd_failure_weight": LAMBDA_NEG,
+        }
+    samples_per_task = 1 if recipe in ("sft", "ssd") else 2
+    return {
+        "model": {"student": str(tmp_path / "student")},
+        "parallel": {
+            "num_nodes": 1,
+            "gpus_per_node": 4,
+            "max_tokens_per_gpu": MAX_TOKENS_PER_GPU,
+        },
+        "rollout": {
+            "temperature": TEMPERATURE,
+            "max_context_tokens": 256,
+            "max_new_tokens": 48,
+            "tasks_per_step": 3,
+            "samples_per_task": samples_per_task,
+        },
+        "teacher": teacher,
+        "algorithm": algorithm,
+        "logging": {"wandb_mode": "disabled", "run_dir": str(tmp_path / "run")},
+        "cluster": {
+            "head": "127.0.0.1",
+            "model_args_script": "scripts/models/qwen3-4B.sh",
+            "megatron_checkpoint": str(tmp_path / "torch_dist"),
+            "save_dir": str(tmp_path / "save"),
+            "tasks_file": str(tmp_path / "tasks.jsonl"),
+        },
+    }
+
+
+def slime_args(recipe: str, tmp_path: Path, tp: int, cp: int, vocab: int) -> argparse.Namespace:
+    """The arguments `opd launch` writes for the job, parsed by slime's own parser (its
+    real defaults), with the custom-config YAML's keys and the Megatron arguments that
+    slime's parser does not own."""
+    from slime.utils.arguments import _pre_parse_mode, get_slime_extra_args_provider
+
+    job = config_from_dict(job_dict(recipe, tmp_path))
+    path = tmp_path / f"{recipe}.yaml"
+    path.write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    get_slime_extra_args_provider()(parser)
+    try:  # the router's flags, where sglang_router is installed
+        from slime.backends.sglang_utils.arguments import add_sglang_router_arguments
+
+        add_sglang_router_arguments(parser)
+    except slime_cpu.StandInCalled:
+        pass
+    plan_args = train_args(job, str(tmp_path / "hooks.yaml"))
+    args, megatron_only = parser.parse_known_args(plan_args)
+    saved_argv = sys.argv
+    sys.argv = ["train.py", *plan_args]  # slime's parse_args pre-parses the mode flags
+    try:
+        for key, value in vars(_pre_parse_mode()).items():
+            setattr(args, key, value)
+    finally:
+        sys.argv = saved_argv
+    args.opd_job_config = str(path)  # --custom-config-path's YAML, as slime_validate_args sets it
+    # Megatron-LM's own arguments (not parsed here): the layout and vocabulary
+    args.tensor_model_parallel_size, args.context_parallel_size = tp, cp
+    args.padded_vocab_size = vocab
+    args.sequence_parallel = "--sequence-parallel" in megatron_only
+    assert "--tensor-model-parallel-size" in megatron_only  # the plan wrote Megatron's too
+    return args
+
+
+# --- samples, as the generate hook and the SFT rollout give them --------------------------
+
+
+def rollout_groups(recipe: str, args: Any, tmp_path: Path, trajectories: list[Any]) -> list[Any]:
+    """What slime's generate_rollout returns for one rollout step: groups of per-rollout
+    lists of real slime Samples, made by our hooks' code."""
+    from slime.utils.types import Sample
+
+    from slime_ext.slime.generate import loss_kind
+    from slime_ext.slime.sft_rollout import generate_rollout
+
+    if recipe in ("sft", "ssd"):
+        records = [r for t in trajectories for r in turn_records(t)]
+        data = tmp_path / "records.jsonl"
+        write_records(data, records)
+        args.opd_sft_data = str(data)
+        return [generate_rollout(args, step, None) for step in range(2)]
+    groups: dict[int, list[list[Any]]] = defaultdict(list)
+    for rollout_id, (which, group) in enumerate(ROLLOUTS):
+        base = Sample(index=rollout_id, group_index=group, prompt="p", metadata={"source": "x"})
+        if which == "aborted":
+            trajectory = trajectories[2].model_copy(
+                update={
+                    "status": TrajectoryStatus.SANDBOX_ERROR,
+                    "status_reason": "SandboxDiedError: gone",
+                }
+            )
+        else:
+            trajectory = trajectories[int(which)]
+        samples = to_samples(
+            trajectory,
+            base,
+            loss_kind=loss_kind(recipe, trajectory),
+            with_teacher=recipe in ("opd", "opsd", "oprd"),
+        )
+        groups[group].append(samples)
+    return [list(groups.values())]
+
+
+def rollout_side(args: Any, steps: list[Any], dp_size: int) -> tuple[list[Any], list[Any], Any]:
+    """slime's RolloutManager on the samples of `steps` (one rollout step, or the SFT
+    rollout's two concatenated): the flattened samples, the per-DP-rank payloads, and
+    what our rollout-log hook reported."""
+    import ray
+    from slime.observability.rollout_metrics import log_rollout_data
+    from slime.ray.rollout import RolloutManager
+    from slime.rollout.base_types import RolloutFnTrainOutput
+    from slime.utils.misc import load_function
+
+    manager_class = RolloutManager.__ray_metadata__.modified_class
+    groups = [group for step in steps for group in step]
+    manager = object.__new__(manager_class)  # what __init__ sets that these methods read
+    manager.args = args
+    manager.generate_rollout = lambda *a, **k: RolloutFnTrainOutput(samples=groups, metrics=None)
+    manager.data_source = None
+    manager.custom_reward_post_process_func = (
+        load_function(args.custom_reward_post_process_path)
+        if args.custom_reward_post_process_path
+        else None
+    )
+    manager.custom_convert_samples_to_train_data_func = None
+    # what the actor reports (actor.py, init): no pipeline or virtual stages here
+    manager.train_parallel_config = {
+        "dp_size": dp_size,
+        "cp_size": args.context_parallel_size,
+        "vpp_size": 1,
+        "microbatch_group_size_per_vp_stage": 1,
+    }
+    samples, _ = manager._get_rollout_data(rollout_id=0)
+    logged: dict[str, Any] = {}
+    log_rollout_data(0, args, samples, logged, 1.0)
+    data = manager._convert_samples_to_train_data(samples)
+    saved_put = ray.put
+    ray.put = lambda value, **kwargs: value  # the object store: each rank gets its payload
+    try:
+        boxes = manager._split_train_data_by_dp(data)
+    finally:
+        ray.put = saved_put
+    return samples, boxes, logged
+
+
+# --- the plain-torch reference -------------------------------------------------------------
+
+
+def reference(
+    recipe: str, samples: list[Any], logits: list[torch.Tensor], step_rollouts: int
+) -> tuple[float, dict[str, float], list[torch.Tensor]]:
+    """The objective summed over the optimizer steps (each step: its rollouts' per-trajectory
+    token means, divided by the rollouts per step), its per-step metric means summed, and
+    d(objective)/d(each sample's logits), by plain torch on whole sequences."""
+    leaves = [x.clone().requires_grad_(True) for x in logits]
+    order: list[int] = []
+    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]] = {}
+    for sample, x in zip(samples, leaves, strict=True):
+        rid = sample.rollout_id
+        if rid not in parts:
+            order.append(rid)
+            parts[rid] = []
+        if sample.remove_sample:
+            continue
+        response = sample.response_length
+        targets = torch.tensor(sample.tokens[-response:])
+        rows = x[len(sample.tokens) - response - 1 : len(sample.tokens) - 1] / TEMPERATURE
+        student = torch.log_softmax(rows.double(), -1).gather(-1, targets[:, None])[:, 0]
+        teacher = torch.tensor(sample.teacher_log_probs or [0.0] * response, dtype=torch.float64)
+        mask = torch.tensor(sample.loss_mask, dtype=torch.float64)
+        parts[rid].append((student, teacher, mask, sample))
+    advantages = group_advantages(samples)
+    objective = torch.zeros((), dtype=torch.float64)
+    value = 0.0
+    metrics: dict[str, float] = defaultdict(float)
+    for start in range(0, len(order), step_rollouts):
+        step = [rid for rid in order[start : start + step_rollouts] if parts[rid]]
+        successes = [rid for rid in step if float(parts[rid][0][3].reward) > 0]
+        failures = [rid for rid in step if rid not in successes]
+        for rid in step:
+            pieces = parts[rid]
+            denom = max(sum(float(m.sum()) for _, _, m, _ in pieces), 1.0)
+            k = sum(((s - t) * m).sum() for s, t, m, _ in pieces).detach() / denom
+            nll = sum((-s * m).sum() for s, _, m, _ in pieces) / denom
+            surrogate = sum(((s - t).detach() * s * m).sum() for s, t, m, _ in pieces) / denom
+            if recipe in ("opd", "opsd"):
+                objective = objective + KL_COEF * surrogate / step_rollouts
+                value += KL_COEF * float(k) / step_rollouts
+                metrics["opd_reverse_kl"] += float(k) / step_rollouts
+            elif recipe in ("sft", "ssd"):
+                objective = objective + nll / step_rollouts
+                value += float(nll) / step_rollouts
+            elif recipe == "rl":
+                pg = sum((-advantages[rid] * s * m).sum() for s, _, m, _ in pieces) / denom
+                objective = objective + pg / step_rollouts
+                value += float(pg) / step_rollouts
+            elif rid in successes:  # oprd
+                objective = objective + LAMBDA_POS * nll / len(successes)
+                value += LAMBDA_POS * float(nll) / len(successes)
+                metrics["success_branch_loss"] += float(nll) / len(successes)
+            else:
+                objective = objective + LAMBDA_NEG * surrogate / len(failures)
+                value += LAMBDA_NEG * float(k) / len(failures)
+                metrics["failure_branch_loss"] += float(k) / len(failures)
+    objective.backward()
+    grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
+    return value, dict(metrics), grads
+
+
+def group_advantages(samples: list[Any]) -> dict[int, float]:
+    """GRPO: each live trajectory's reward normalized within its prompt group (unbiased std)."""
+    rewards: dict[int, tuple[int, float]] = {}
+    for sample in samples:
+        if not sample.remove_sample:
+            rewards.setdefault(sample.rollout_id, (sample.group_index, float(sample.reward)))
+    by_group: dict[int, list[float]] = defaultdict(list)
+    for group, reward in rewards.values():
+        by_group[group].append(reward)
+    out = {}
+    for rid, (group, reward) in rewards.items():
+        values = torch.tensor(by_group[group], dtype=torch.float64)
+        std = float(values.std()) if len(values) > 1 else 0.0
+        out[rid] = (reward - float(values.mean())) / (std + 1e-6)
+    return out
+
+
+# --- one gloo rank -------------------------------------------------------------------------
+
+
+def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int], path: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    slime_cpu.install()
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    tp, cp, _ = layout
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=90),
+    )  # fmt: skip
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ray.get = lambda value, **kwargs: value  # the payload slime's Box holds, not a ref
+    cases = torch.load(f"{path}/cases.pt", weights_only=False)
+    results = {}
+    with slime_cpu.cpu_accelerator():
+        for recipe, case in cases.items():
+            results[recipe] = _train_side(case)
+    torch.save(results, f"{path}/rank{rank}.pt")
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _train_side(case: dict[str, Any]) -> dict[str, Any]:
+    """slime's actor on this rank's payload; the given logits in place of the model."""
+    from megatron.core import parallel_state as mpu
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.cp_utils import slice_with_cp
+    from slime.backends.megatron_utils.data import get_batch, get_data_iterator
+    from slime.backends.megatron_utils.loss import (
+        compute_advantages_and_returns,
+        get_log_probs_and_entropy,
+        loss_function,
+    )
+    from slime.observability.train_metric_utils import reduce_train_step_metrics
+
+    args, logits, expected = case["args"], case["logits"], case["grads"]
+    tp_rank, tp = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
+    dp_cp = mpu.get_data_parallel_world_size(with_context_parallel=True)
+    shard = args.padded_vocab_size // tp
+    columns = slice(tp_rank * shard, (tp_rank + 1) * shard)
+    actor = SimpleNamespace(args=args)
+    rollout_data = MegatronTrainRayActor._get_rollout_data(actor, case["boxes"])
+    partition = rollout_data["partition"]
+
+    def local_logits(indices: list[int], rows: int, full: list[torch.Tensor]) -> torch.Tensor:
+        """The model's output for a packed micro-batch: each sample CP-sliced as get_batch
+        slices its tokens, padded to the batch's rows, this TP rank's vocabulary columns."""
+        packed = torch.cat([slice_with_cp(full[partition[i]], 0.0) for i in indices])
+        packed = torch.cat([packed, packed.new_zeros(rows - len(packed), packed.size(1))])
+        return packed[:, columns][None].contiguous()
+
+    # with custom_loss slime recomputes log_probs before training (actor.train_actor)
+    rollout_data["log_probs"] = [
+        get_log_probs_and_entropy(
+            local_logits([i], len(slice_with_cp(logits[partition[i]], 0.0)), logits).detach(),
+            args=args,
+            unconcat_tokens=[rollout_data["tokens"][i]],
+            total_lengths=[rollout_data["total_lengths"][i]],
+            response_lengths=[rollout_data["response_lengths"][i]],
+        )[1]["log_probs"][0]
+        for i in range(len(partition))
+    ]
+    if args.compute_advantages_and_returns:
+        compute_advantages_and_returns(args, rollout_data)
+    [iterator] = get_data_iterator(rollout_data)
+    keys = [  # train_one_step's forward_step (slime/backends/megatron_utils/model.py)
+        "tokens", "multimodal_train_inputs", "packed_seq_params", "total_lengths",
+        "response_lengths", "loss_masks", "log_probs", "ref_log_probs", "values",
+        "advantages", "returns", "rollout_log_probs", "teacher_log_probs", "rollout_mask_sums",
+    ]  # fmt: skip
+    loss_total, worst, logged = 0.0, 0.0, []
+    for num_microbatches, step_size in zip(
+        rollout_data["num_microbatches"], rollout_data["global_batch_sizes"], strict=True
+    ):
+        reports = []
+        for _ in range(num_microbatches):
+            indices = iterator.micro_batch_indices[iterator.offset]
+            batch = get_batch(iterator, keys, args.data_pad_size_multiplier, args.allgather_cp)
+            rows = batch["tokens"].size(1)
+            given = local_logits(indices, rows, logits).requires_grad_(True)
+            loss, _, report = loss_function(args, batch, num_microbatches, step_size, given)
+            # Megatron's schedule divides by the micro-batches, DDP averages over DP x CP
+            effective = loss / (num_microbatches * dp_cp)
+            effective.backward()
+            assert given.grad is not None
+            want = local_logits(indices, rows, expected)
+            worst = max(worst, float((given.grad - want).abs().max()))
+            loss_total += float(effective)
+            reports.append(report)
+        logged.append(
+            reduce_train_step_metrics(
+                reports,
+                calculate_per_token_loss=args.calculate_per_token_loss,
+                step_global_batch_size=step_size,
+                cp_size=mpu.get_context_parallel_world_size(),
+                dp_with_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
+            )
+        )
+    return {
+        "tp_rank": tp_rank,
+        "dp_rank": dp_rank,
+        "loss": loss_total,
+        "grad_max_error": worst,
+        "logged": logged,
+        "samples": len(partition),
+    }
+
+
+# --- the tests -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trajectories(factory_tokenizer: Any) -> list[Any]:
+    from tests.test_slime_hooks import _scripted
+
+    scripted = _scripted(factory_tokenizer)
+    assert [t.reward for t in scripted][::2] == [1.0, 0.0]  # mul succeeds, wrong fails
+    return scripted
+
+
+def _cases(
+    tmp_path: Path, trajectories: list[Any], layout: tuple[int, int, int], vocab: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    tp, cp, dp = layout
+    cases, expected = {}, {}
+    for recipe in RECIPES:
+        directory = tmp_path / recipe
+        directory.mkdir()
+        args = slime_args(recipe, directory, tp, cp, vocab)
+        steps = rollout_groups(recipe, args, directory, trajectories)
+        samples, boxes, logged = rollout_side(args, steps, dp)
+        generator = torch.Generator().manual_seed(len(recipe))
+        logits = [torch.randn(len(s.tokens), vocab, generator=generator) * 2 for s in samples]
+        value, metrics, grads = reference(recipe, samples, logits, args.global_batch_size)
+        cases[recipe] = {"args": args, "boxes": boxes, "logits": logits, "grads": grads}
+        expected[recipe] = {"loss": value, "metrics": metrics, "rollout_log": logged}
+    return cases, expected
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: "tp{}-cp{}-dp{}".format(*t))
+def test_every_recipe_through_slimes_own_data_path_equals_the_reference(
+    tmp_path: Path, trajectories: list[Any], factory_tokenizer: Any, layout: tuple[int, int, int]
+) -> None:
+    vocab = len(factory_tokenizer)
+    tp, cp, dp = layout
+    cases, expected = _cases(tmp_path, trajectories, layout, vocab)
+    torch.save(cases, tmp_path / "cases.pt")
+    world = tp * cp * dp
+    mp.start_processes(
+        _rank, args=(world, free_port(), layout, str(tmp_path)), nprocs=world, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for recipe in RECIPES:
+        want = expected[recipe]
+        results = [r[recipe] for r in ranks]
+        assert sum(r["samples"] for r in results) == len(cases[recipe]["logits"]) * tp * cp
+        for tp_rank in range(tp):
+            mine = [r for r in results if r["tp_rank"] == tp_rank]
+            loss = sum(r["loss"] for r in mine)
+            assert loss == pytest.approx(want["loss"], abs=ATOL), (recipe, layout)
+        for r in results:
+            assert r["grad_max_error"] < ATOL, (recipe, layout, r["grad_max_error"])
+            for key, value in want["metrics"].items():  # what slime logs (train/...)
+                assert sum(step[key] for step in r["logged"]) == pytest.approx(value, abs=ATOL)
+        log = want["rollout_log"]
+        if recipe in ("sft", "ssd"):
+            assert log["rollout/num_turns"] == pytest.approx((3 + 3 + 2) / 3)
+        else:
+            assert log["rollout/abort_count/SandboxDiedError: gone"] == 1.0
+            assert log["rollout/num_turns"] == pytest.approx((3 + 2 + 3 + 2 + 3 + 3) / 6)
+
+
+def test_hooks_refuse_slime_flags_that_break_the_objective(tmp_path: Path) -> None:
+    """--group-rm, --allgather-cp, --calculate-per-token-loss and --rollout-top-p < 1 make
+    slime crash on our samples or train another objective: the hooks refuse them, naming
+    the flag, before any sample is made."""
+    from slime_ext.slime.reward import reward
+    from slime_ext.slime.settings import job_config
+
+    for flag, value in [
+        ("group_rm", True), ("allgather_cp", True), ("calculate_per_token_loss", True),
+        ("rollout_top_p", 0.9),
+    ]:  # fmt: skip
+        args = slime_args("opd", tmp_path, 1, 1, 16)
+        setattr(args, flag, value)
+        with pytest.raises(HookConfigError, match=flag.replace("_", "-")):
+            job_config(args)
+    args = slime_args("opd", tmp_path, 1, 1, 16)
+    args.group_rm = True
+    with pytest.raises(HookConfigError, match="group-rm"):
+        asyncio.run(reward(args, [[SimpleNamespace(metadata={})]]))
