@@ -13,7 +13,7 @@ ARG BASE=rlsys/slime:latest
 FROM ${BASE}
 
 # slime's checkout when the image has none importable: the commit the hooks are written
-# against (tests/slime_standin.py restates its calling conventions).
+# against (the commit `make slime` installs for the tests: tests/slime_cpu.py SLIME_COMMIT).
 ARG SLIME_COMMIT=624b824a898ab0ec1fcb4d373004c7f3852bf515
 ARG SLIME_REPO=https://github.com/THUDM/slime.git
 # Image packages pip may replace (space-separated names); empty keeps every one as it is.

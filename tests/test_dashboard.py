@@ -38,7 +38,7 @@ from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 from slime_ext.slime import loss as slime_loss
 from slime_ext.slime.metrics import sample_metrics
 from slime_ext.slime.samples import to_samples
-from tests import slime_standin as slime
+from tests.slime_driver import sample_class
 from tests.test_runner import REPLIES, TASKS, ScriptedPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -255,7 +255,7 @@ def test_slime_hooks_log_every_plotted_rollout_metric(rollouts: list[Trajectory]
     samples = [
         sample
         for index, trajectory in enumerate(rollouts)
-        for sample in to_samples(trajectory, slime.Sample(index=index, prompt="p"), "kl")
+        for sample in to_samples(trajectory, sample_class()(index=index, prompt="p"), "kl")
     ]
     metrics = sample_metrics(samples)
     from_hook = [k for k in KEYS if k.startswith("rollout/") or k.endswith("_per_turn")]

@@ -1,8 +1,9 @@
-"""Contract tests of the slime hooks against slime's calling conventions.
-
-CI has no slime (it ships in its CUDA image): tests/slime_standin.py restates its call
-sites, pinned to a commit. `test_real_slime_*` run the hooks with the real slime when it
-is importable and skip otherwise.
+"""Contract tests of the slime hooks, run by slime's own code (the pinned commit installed
+by `make slime`, its CPU import stand-ins in tests/slime_cpu.py): slime's Sample,
+generate_and_rm_group (with our generate and reward hooks against the SGLang stand-in and a
+real teacher service), the rollout-id contract, the train-data conversion, CP slicing and
+the advantage computation. The loss through slime's whole data path is in
+tests/test_slime_real.py.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
+from launch.config import config_from_dict
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRHarness
 from rollout.runner import Runner, RunnerConfig
@@ -29,8 +31,7 @@ from slime_ext.local.factory import build_checkpoint, build_model
 from slime_ext.sft_data import read_records, turn_records, write_records
 from slime_ext.slime import generate as generate_module
 from slime_ext.slime import metrics as hook_metrics
-from slime_ext.slime.generate import generate, loss_kind
-from slime_ext.slime.loss import loss as opd_loss
+from slime_ext.slime.generate import loss_kind
 from slime_ext.slime.reward import post_process_rewards, reward
 from slime_ext.slime.samples import METADATA_KEY, to_samples
 from slime_ext.slime.settings import HookConfigError, config_path
@@ -38,12 +39,32 @@ from slime_ext.slime.sft_rollout import SFTDataError, generate_rollout
 from teacher_server.app import create_app
 from teacher_server.hf_backend import HFBackend
 from teacher_server.metrics import ServerMetrics
-from tests import slime_standin as slime
 from tests.live_server import serve_in_thread
 from tests.sglang_standin import create_standin
+from tests.slime_driver import require_slime, rollout_manager, slime_args
 from tests.test_runner import REPLIES, TASKS, ScriptedPolicy
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+require_slime()
+
+from slime.observability.rollout_data_utils import validate_rollout_id_annotated  # noqa: E402
+from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group  # noqa: E402
+from slime.utils.types import Sample  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+
+def _args(job: dict[str, Any] | None = None, **overrides: Any) -> Any:
+    """slime's arguments for a job (by default the embedded default's), as `opd launch`
+    writes them and slime's parser reads them, with `overrides` set."""
+    args = slime_args(config_from_dict(job or {}), Path(tempfile.mkdtemp(prefix="opd-slime-")))
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def _train_data(args: Any, samples: list[Any]) -> dict[str, Any]:
+    """slime's RolloutManager._convert_samples_to_train_data (our reward post-process)."""
+    return rollout_manager(args, [])._convert_samples_to_train_data(samples)
 
 
 def _scripted(factory_tokenizer: Any, think_policy: str = "drop") -> list[Trajectory]:
@@ -57,14 +78,14 @@ def _scripted(factory_tokenizer: Any, think_policy: str = "drop") -> list[Trajec
     return trajectories
 
 
-def _base(index: int, group: int = 0) -> slime.Sample:
-    return slime.Sample(index=index, group_index=group, prompt="p", metadata={"source": "x"})
+def _base(index: int, group: int = 0) -> Sample:
+    return Sample(index=index, group_index=group, prompt="p", metadata={"source": "x"})
 
 
-def _task_sample(index: int) -> slime.Sample:
+def _task_sample(index: int) -> Sample:
     """slime's sample of an arithmetic training task, the task in its metadata."""
     task = make_tasks(1, "train", seed=3)[0]
-    return slime.Sample(
+    return Sample(
         index=index, group_index=0, prompt=task.prompt, metadata={"task": task.model_dump()}
     )
 
@@ -78,14 +99,14 @@ class _ServedHook:
     tokenizer_dir: Path
 
     def generate(
-        self, base: slime.Sample, sampling_params: dict[str, Any] | None = None
+        self, base: Sample, sampling_params: dict[str, Any] | None = None
     ) -> tuple[Any, generate_module.HookState]:
-        """slime's generate_and_rm through our hook, and the state the hook kept."""
+        """slime's generate_and_rm_group (one sample's group) through our generate and
+        reward hooks, and the state the hook kept."""
 
         async def rollout() -> tuple[Any, generate_module.HookState]:
-            samples = await slime.generate_and_rm(
-                self.args, base, sampling_params or {}, generate, reward
-            )
+            GenerateState.clear_instances()  # slime's per-process state, made in this loop
+            [samples] = await generate_and_rm_group(self.args, [base], sampling_params or {})
             loop = id(asyncio.get_running_loop())
             key = (config_path(self.args), self.router, str(self.tokenizer_dir), loop)
             return samples, generate_module._state(*key)
@@ -119,11 +140,13 @@ def _served_hook(
             "teacher": {**teacher, "url": teacher_url},
             "algorithm": algorithm or {},
         }
-        path = job_dir / "job.yaml"
-        path.write_text(yaml.safe_dump(config))
         host, port = router.removeprefix("http://").split(":")
-        args = slime.slime_args(
-            opd_job_config=str(path), sglang_router_ip=host, sglang_router_port=int(port)
+        args = _args(
+            config,
+            sglang_router_ip=host,
+            sglang_router_port=int(port),
+            hf_checkpoint=str(tokenizer_dir),
+            rollout_num_gpus=1,  # one engine behind the router (slime's semaphore)
         )
         yield _ServedHook(args, router, tokenizer_dir)
 
@@ -147,7 +170,7 @@ def test_per_turn_samples_are_context_plus_span_with_tier_masks(factory_tokenize
             invalid = turn.mask_tier is not MaskTier.VALID
             assert sft[k].loss_mask == [int(not invalid)] * len(turn.span_ids)
             assert sft[k].teacher_log_probs is None
-    slime.validate_rollout_id_annotated([[to_samples(mul, _base(4), "kl")]])
+    validate_rollout_id_annotated([[to_samples(mul, _base(4), "kl")]])
 
 
 def test_keep_policy_gives_one_sequence_with_observations_masked(factory_tokenizer: Any) -> None:
@@ -177,14 +200,14 @@ def test_aborted_trajectories_become_removable_placeholders(factory_tokenizer: A
         update={"status": TrajectoryStatus.SANDBOX_ERROR, "status_reason": "SandboxDiedError: x"}
     )
     [placeholder] = to_samples(aborted, _base(7), "kl")
-    assert placeholder.remove_sample and placeholder.status is slime.Sample.Status.ABORTED
+    assert placeholder.remove_sample and placeholder.status is Sample.Status.ABORTED
     assert placeholder.response_length == 1 and placeholder.loss_mask == [0]
     assert placeholder.teacher_log_probs == [0.0] and placeholder.rollout_log_probs == [0.0]
     assert placeholder.metadata[METADATA_KEY]["abort_reason"] == "SandboxDiedError: x"
     assert placeholder.reward is not None  # slime computes no reward for aborted samples
     # a placeholder first: slime still copies every sample's teacher log-probs
     samples = [placeholder, *to_samples(good, _base(8), "kl")]
-    data = slime.convert_samples_to_train_data(slime.slime_args(), samples)
+    data = _train_data(_args(), samples)
     assert len(data["teacher_log_probs"]) == len(samples)
     assert data["loss_masks"][0] == [0]
     assert data["rollout_mask_sums"][1] == good.span_token_count()
@@ -197,7 +220,7 @@ def test_aborted_trajectories_become_removable_placeholders(factory_tokenizer: A
 def test_reward_hook_accepts_a_sample_or_a_list(factory_tokenizer: Any) -> None:
     [mul, _, wrong] = _scripted(factory_tokenizer)
     samples = to_samples(mul, _base(1), "kl") + to_samples(wrong, _base(2), "kl")
-    args = slime.slime_args()
+    args = _args()
     assert asyncio.run(reward(args, samples[0])) == 1.0
     expected = [1.0] * mul.num_turns + [0.0] * wrong.num_turns
     assert asyncio.run(reward(args, samples)) == expected
@@ -206,7 +229,7 @@ def test_reward_hook_accepts_a_sample_or_a_list(factory_tokenizer: Any) -> None:
 def test_reward_post_process_normalizes_one_reward_per_trajectory_in_its_group() -> None:
     def segments(rollout_id: int, group: int, count: int, value: float, removed: bool = False):  # type: ignore[no-untyped-def]
         return [
-            slime.Sample(
+            Sample(
                 index=rollout_id,
                 group_index=group,
                 rollout_id=rollout_id,
@@ -223,15 +246,15 @@ def test_reward_post_process_normalizes_one_reward_per_trajectory_in_its_group()
         + segments(21, 1, 2, 1.0)
         + segments(22, 1, 1, 0.0, removed=True)
     )
-    raw, normalized = post_process_rewards(slime.slime_args(), samples)
+    raw, normalized = post_process_rewards(_args(), samples)
     assert raw == [s.reward for s in samples]
     spread = 0.5 / (2**0.5 / 2 + 1e-6)  # group 0: mean 0.5, unbiased std sqrt(1/2)
     assert normalized[:4] == pytest.approx([spread] * 3 + [-spread])
     assert normalized[4:] == pytest.approx([0.0] * 5)  # group 1: equal rewards, removed: 0
     # slime's default would normalize the 9 segments as one batch, weighting by turns
-    args = slime.slime_args(grpo_std_normalization=False)
+    args = _args(grpo_std_normalization=False)
     assert post_process_rewards(args, samples)[1][:4] == pytest.approx([0.5] * 3 + [-0.5])
-    assert post_process_rewards(slime.slime_args(rewards_normalization=False), samples)[1] == raw
+    assert post_process_rewards(_args(rewards_normalization=False), samples)[1] == raw
 
 
 def test_rollout_metrics_count_each_trajectory_once(factory_tokenizer: Any) -> None:
@@ -243,7 +266,7 @@ def test_rollout_metrics_count_each_trajectory_once(factory_tokenizer: Any) -> N
         + to_samples(aborted, _base(3), "kl")
     )
     extra: dict[str, Any] = {"rollout/existing": 1.0}
-    assert hook_metrics.log_rollout(0, slime.slime_args(), samples, extra, 1.0) is False
+    assert hook_metrics.log_rollout(0, _args(), samples, extra, 1.0) is False
     assert extra["rollout/existing"] == 1.0
     assert extra["rollout/num_turns"] == pytest.approx((3 + 3 + 2) / 3)
     assert extra["rollout/abort_count/x"] == 1.0
@@ -265,12 +288,12 @@ def test_sft_rollout_feeds_records_unchanged_and_by_step(
     path = tmp_path / f"sft{suffix}"
     assert write_records(path, records) == len(records)
     assert read_records(path) == records
-    args = slime.slime_args(opd_sft_data=str(path), rollout_batch_size=2, seed=0)
+    args = _args(opd_sft_data=str(path), rollout_batch_size=2, seed=0)
     seen = []
     for step in range(3):  # 6 trajectory slots over 3 trajectories: two epochs
-        groups = generate_rollout(args, step, None, sample_class=slime.Sample)
-        assert generate_rollout(args, step, None, sample_class=slime.Sample) == groups
-        slime.validate_rollout_id_annotated(groups)
+        groups = generate_rollout(args, step, None, sample_class=Sample)
+        assert generate_rollout(args, step, None, sample_class=Sample) == groups
+        validate_rollout_id_annotated(groups)
         for [segments] in groups:
             trajectory_id = segments[0].metadata[METADATA_KEY]["trajectory_id"]
             seen.append(trajectory_id)
@@ -282,19 +305,20 @@ def test_sft_rollout_feeds_records_unchanged_and_by_step(
     half = next(r for r in records if r.trajectory_id.startswith("half") and r.turn == 0)
     assert half.loss_mask == [0] * half.response_length  # tier 1: no imitation
     with pytest.raises(SFTDataError, match="evaluation"):
-        generate_rollout(args, 0, None, evaluation=True, sample_class=slime.Sample)
+        generate_rollout(args, 0, None, evaluation=True, sample_class=Sample)
 
 
 def test_generate_hook_end_to_end_through_slimes_call_site(
     factory_tokenizer: Any, factory_dir: Path, tmp_path: Path
 ) -> None:
-    """slime's generate_and_rm -> our hook -> SGLang (stand-in) + teacher server (hf) ->
-    per-turn samples -> slime's train-data conversion -> our loss."""
+    """slime's generate_and_rm_group -> our hook -> SGLang (stand-in) + teacher server (hf)
+    -> per-turn samples -> slime's train-data conversion (the loss through slime's data
+    path: tests/test_slime_real.py)."""
     student = build_model("qwen3-tiny", factory_tokenizer, seed=5).eval()
     teacher_dir = build_checkpoint("qwen3-tiny", tmp_path / "teacher", seed=8)
     metrics = ServerMetrics()
     backend = HFBackend(teacher_dir, metrics, max_context=4096)
-    base = slime.Sample(index=6, group_index=2, prompt="What is 2 + 3?", label="5")
+    base = Sample(index=6, group_index=2, prompt="What is 2 + 3?", label="5")
     with _served_hook(
         backend,
         factory_dir,
@@ -307,7 +331,7 @@ def test_generate_hook_end_to_end_through_slimes_call_site(
         samples, _ = hook.generate(base, {"temperature": 1.0})
     args = hook.args
     assert isinstance(samples, list) and len(samples) >= 2  # junk replies: nudged, retried
-    slime.validate_rollout_id_annotated([[samples]])
+    validate_rollout_id_annotated([[samples]])
     assert all(s.rollout_id == 6 and s.reward is not None for s in samples)
     for sample in samples:
         assert len(sample.rollout_log_probs) == sample.response_length
@@ -318,17 +342,12 @@ def test_generate_hook_end_to_end_through_slimes_call_site(
         assert later.tokens[: len(prefix)] == prefix
     assert metrics.tokens_scored_total == sum(s.response_length for s in samples)
     assert metrics.cached_tokens_total > 0  # one session per trajectory: prefix reuse
-    data = slime.convert_samples_to_train_data(args, samples, post_process_rewards)
-    batch = slime.batch_for_rank(data, range(len(samples)), 0, 1)
-    logits = (
-        torch.cat([student(input_ids=torch.tensor([s.tokens])).logits[0] for s in samples])[None]
-        .detach()
-        .requires_grad_(True)
-    )
-    loss, log = slime.call_loss(args, batch, logits, opd_loss, 0, 1, 1, 1, 1)
-    loss.backward()
-    assert torch.isfinite(loss) and logits.grad is not None and logits.grad.abs().sum() > 0
-    assert float(log["loss_tokens"]) == sum(sum(m) for m in data["loss_masks"])
+    assert args.custom_reward_post_process_path == "slime_ext.slime.reward.post_process_rewards"
+    data = _train_data(args, samples)
+    assert data["rollout_ids"] == [6] * len(samples)
+    assert data["rollout_mask_sums"] == [sum(sum(s.loss_mask) for s in samples)] * len(samples)
+    assert data["teacher_log_probs"] == [s.teacher_log_probs for s in samples]
+    assert data["rewards"] == [0.0] * len(samples)  # one trajectory: its group's mean
 
 
 def test_real_slime_sample_accepts_our_samples(factory_tokenizer: Any) -> None:
@@ -377,7 +396,7 @@ def test_real_slime_carries_oprd_branch_shares_into_advantages(
     loss_module = pytest.importorskip("slime.backends.megatron_utils.loss")
     fake = type("FakeMpu", (), {"is_pipeline_last_stage": staticmethod(lambda: True)})
     monkeypatch.setattr(loss_module, "mpu", fake)
-    args = slime.slime_args(
+    args = _args(
         kl_coef=0.0,
         custom_advantage_function_path="slime_ext.slime.oprd.advantages",
     )
@@ -391,7 +410,7 @@ def test_real_slime_carries_oprd_branch_shares_into_advantages(
     loss_module.compute_advantages_and_returns(args, rollout_data)
     assert [a.tolist() for a in rollout_data["advantages"]] == [[4.0] * 3, [-2.0] * 2]
     with pytest.raises(HookConfigError, match="normalize-advantages"):
-        whitened = slime.slime_args(
+        whitened = _args(
             kl_coef=0.0,
             custom_advantage_function_path="slime_ext.slime.oprd.advantages",
             normalize_advantages=True,
@@ -464,7 +483,7 @@ def test_oprd_samples_carry_their_branchs_loss_mask(factory_tokenizer: Any) -> N
     first = len(half.turns[0].span_ids)
     assert samples[0].loss_mask == [0] * first
     assert samples[half.num_turns].loss_mask == [1] * first
-    data = slime.convert_samples_to_train_data(slime.slime_args(), samples)
+    data = _train_data(_args(), samples)
     assert data["rollout_mask_sums"][0] == half.span_token_count() - first
     assert data["rollout_mask_sums"][-1] == half.span_token_count()
     assert len(data["teacher_log_probs"]) == len(samples)

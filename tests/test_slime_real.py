@@ -25,10 +25,7 @@ fails instead (CI must run it).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
-import sys
 import warnings
 from collections import defaultdict
 from datetime import timedelta
@@ -40,18 +37,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
 
 from tests import slime_cpu
+from tests.slime_driver import require_slime, rollout_manager, slime_args, split_by_dp
 
-slime_cpu.install()
-if not slime_cpu.slime_installed():
-    if os.environ.get("CI"):
-        pytest.fail(slime_cpu.HOW_TO_INSTALL, pytrace=False)
-    pytest.skip(slime_cpu.HOW_TO_INSTALL, allow_module_level=True)
+require_slime()
 
 from launch.config import config_from_dict  # noqa: E402
-from launch.plan import train_args  # noqa: E402
 from rollout.trajectory import TrajectoryStatus  # noqa: E402
 from slime_ext.sft_data import turn_records, write_records  # noqa: E402
 from slime_ext.slime.samples import to_samples  # noqa: E402
@@ -113,41 +105,6 @@ def job_dict(recipe: str, tmp_path: Path) -> dict[str, Any]:
     }
 
 
-def slime_args(recipe: str, tmp_path: Path, tp: int, cp: int, vocab: int) -> argparse.Namespace:
-    """The arguments `opd launch` writes for the job, parsed by slime's own parser (its
-    real defaults), with the custom-config YAML's keys and the Megatron arguments that
-    slime's parser does not own."""
-    from slime.utils.arguments import _pre_parse_mode, get_slime_extra_args_provider
-
-    job = config_from_dict(job_dict(recipe, tmp_path))
-    path = tmp_path / f"{recipe}.yaml"
-    path.write_text(yaml.safe_dump(job.model_dump(mode="json")))
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    get_slime_extra_args_provider()(parser)
-    try:  # the router's flags, where sglang_router is installed
-        from slime.backends.sglang_utils.arguments import add_sglang_router_arguments
-
-        add_sglang_router_arguments(parser)
-    except slime_cpu.StandInCalled:
-        pass
-    plan_args = train_args(job, str(tmp_path / "hooks.yaml"))
-    args, megatron_only = parser.parse_known_args(plan_args)
-    saved_argv = sys.argv
-    sys.argv = ["train.py", *plan_args]  # slime's parse_args pre-parses the mode flags
-    try:
-        for key, value in vars(_pre_parse_mode()).items():
-            setattr(args, key, value)
-    finally:
-        sys.argv = saved_argv
-    args.opd_job_config = str(path)  # --custom-config-path's YAML, as slime_validate_args sets it
-    # Megatron-LM's own arguments (not parsed here): the layout and vocabulary
-    args.tensor_model_parallel_size, args.context_parallel_size = tp, cp
-    args.padded_vocab_size = vocab
-    args.sequence_parallel = "--sequence-parallel" in megatron_only
-    assert "--tensor-model-parallel-size" in megatron_only  # the plan wrote Megatron's too
-    return args
-
-
 # --- samples, as the generate hook and the SFT rollout give them --------------------------
 
 
@@ -191,42 +148,19 @@ def rollout_side(args: Any, steps: list[Any], dp_size: int) -> tuple[list[Any], 
     """slime's RolloutManager on the samples of `steps` (one rollout step, or the SFT
     rollout's two concatenated): the flattened samples, the per-DP-rank payloads, and
     what our rollout-log hook reported."""
-    import ray
     from slime.observability.rollout_metrics import log_rollout_data
-    from slime.ray.rollout import RolloutManager
-    from slime.rollout.base_types import RolloutFnTrainOutput
-    from slime.utils.misc import load_function
 
-    manager_class = RolloutManager.__ray_metadata__.modified_class
-    groups = [group for step in steps for group in step]
-    manager = object.__new__(manager_class)  # what __init__ sets that these methods read
-    manager.args = args
-    manager.generate_rollout = lambda *a, **k: RolloutFnTrainOutput(samples=groups, metrics=None)
-    manager.data_source = None
-    manager.custom_reward_post_process_func = (
-        load_function(args.custom_reward_post_process_path)
-        if args.custom_reward_post_process_path
-        else None
-    )
-    manager.custom_convert_samples_to_train_data_func = None
-    # what the actor reports (actor.py, init): no pipeline or virtual stages here
-    manager.train_parallel_config = {
-        "dp_size": dp_size,
-        "cp_size": args.context_parallel_size,
-        "vpp_size": 1,
-        "microbatch_group_size_per_vp_stage": 1,
-    }
+    manager = rollout_manager(args, [group for step in steps for group in step], dp_size)
     samples, _ = manager._get_rollout_data(rollout_id=0)
     logged: dict[str, Any] = {}
     log_rollout_data(0, args, samples, logged, 1.0)
     data = manager._convert_samples_to_train_data(samples)
-    saved_put = ray.put
-    ray.put = lambda value, **kwargs: value  # the object store: each rank gets its payload
-    try:
-        boxes = manager._split_train_data_by_dp(data)
-    finally:
-        ray.put = saved_put
-    return samples, boxes, logged
+    return samples, split_by_dp(manager, data), logged
+
+
+def recipe_args(recipe: str, directory: Path, tp: int, cp: int, vocab: int) -> Any:
+    job = config_from_dict(job_dict(recipe, directory))
+    return slime_args(job, directory, tp=tp, cp=cp, vocab=vocab)
 
 
 # --- the plain-torch reference -------------------------------------------------------------
@@ -444,7 +378,7 @@ def _cases(
     for recipe in RECIPES:
         directory = tmp_path / recipe
         directory.mkdir()
-        args = slime_args(recipe, directory, tp, cp, vocab)
+        args = recipe_args(recipe, directory, tp, cp, vocab)
         steps = rollout_groups(recipe, args, directory, trajectories)
         samples, boxes, logged = rollout_side(args, steps, dp)
         generator = torch.Generator().manual_seed(len(recipe))
@@ -501,11 +435,11 @@ def test_hooks_refuse_slime_flags_that_break_the_objective(tmp_path: Path) -> No
         ("group_rm", True), ("allgather_cp", True), ("calculate_per_token_loss", True),
         ("rollout_top_p", 0.9),
     ]:  # fmt: skip
-        args = slime_args("opd", tmp_path, 1, 1, 16)
+        args = recipe_args("opd", tmp_path, 1, 1, 16)
         setattr(args, flag, value)
         with pytest.raises(HookConfigError, match=flag.replace("_", "-")):
             job_config(args)
-    args = slime_args("opd", tmp_path, 1, 1, 16)
+    args = recipe_args("opd", tmp_path, 1, 1, 16)
     args.group_rm = True
     with pytest.raises(HookConfigError, match="group-rm"):
         asyncio.run(reward(args, [[SimpleNamespace(metadata={})]]))

@@ -9,6 +9,7 @@ import json
 import shutil
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -38,9 +39,9 @@ from slime_ext.ssd import (
     sample_trajectories,
     summarize_trajectories,
 )
-from tests import slime_standin as slime
 from tests.live_server import serve_in_thread
 from tests.sglang_standin import create_standin
+from tests.slime_driver import sample_class
 from tests.test_runner import REPLIES, TASKS, ScriptedPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -135,8 +136,8 @@ def test_sampled_trajectories_export_exactly_as_the_policy_saw_and_sampled_them(
     assert exported["tokens_total"] == sum(len(r.tokens) for r in records)
 
     # slime's SFT rollout function serves the parquet file unchanged, per trajectory
-    args = slime.slime_args(opd_sft_data=str(out), rollout_batch_size=6, seed=0)
-    for [segments] in generate_rollout(args, 0, None, sample_class=slime.Sample):
+    args = SimpleNamespace(opd_sft_data=str(out), rollout_batch_size=6, seed=0)
+    for [segments] in generate_rollout(args, 0, None, sample_class=sample_class()):
         trajectory_id = segments[0].metadata[METADATA_KEY]["trajectory_id"]
         expected = [r for r in records if r.trajectory_id == trajectory_id]
         assert [(s.tokens, s.loss_mask) for s in segments] == [

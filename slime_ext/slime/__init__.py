@@ -11,5 +11,6 @@
     --custom-rollout-log-function-path  slime_ext.slime.metrics.log_rollout
     --custom-config-path                a YAML with `opd_job_config: /path/to/job.yaml`
 
-The calling conventions are those of THUDM/slime at the commit tests/slime_standin.py pins.
+The calling conventions are those of THUDM/slime at the commit the tests run
+(tests/slime_cpu.py SLIME_COMMIT; `make slime` installs it).
 """

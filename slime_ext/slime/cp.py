@@ -2,9 +2,9 @@
 
 slime splits each sequence into 2 * CP chunks of ceil(T / 2CP) tokens (padded at the end)
 and gives rank r chunks r and 2CP - 1 - r, concatenated (slime/backends/megatron_utils/
-cp_utils.py, slice_with_cp and get_logits_and_tokens_offset_with_cp, at the commit
-tests/slime_standin.py pins). The logit at position g predicts token g + 1, so response
-logits are the positions [P - 1, T - 1) of a sequence whose prompt has P tokens.
+cp_utils.py, slice_with_cp and get_logits_and_tokens_offset_with_cp, at the commit the
+tests run: tests/slime_cpu.py SLIME_COMMIT). The logit at position g predicts token g + 1,
+so response logits are the positions [P - 1, T - 1) of a sequence whose prompt has P tokens.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ custom loss in slime's per-token `advantages`.
     --custom-reward-post-process-path  slime_ext.slime.oprd.post_process_rewards
     --custom-advantage-function-path   slime_ext.slime.oprd.advantages
 
-Why this carrier (THUDM/slime at the commit tests/slime_standin.py pins):
+Why this carrier (THUDM/slime at the commit the tests run, tests/slime_cpu.py SLIME_COMMIT):
 - a custom loss sees only the keys the trainer's forward_step asks for
   (slime/backends/megatron_utils/model.py, train_one_step.forward_step: tokens, total_lengths,
   response_lengths, loss_masks, log_probs, ref_log_probs, values, advantages, returns,
