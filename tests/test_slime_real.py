@@ -276,7 +276,7 @@ def _train_side(case: dict[str, Any]) -> dict[str, Any]:
     from megatron.core import parallel_state as mpu
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
     from slime.backends.megatron_utils.cp_utils import slice_with_cp
-    from slime.backends.megatron_utils.data import get_batch, get_data_iterator
+    from slime.backends.megatron_utils.data import DataIterator, get_batch, get_data_iterator
     from slime.backends.megatron_utils.loss import (
         compute_advantages_and_returns,
         get_log_probs_and_entropy,
@@ -348,6 +348,20 @@ def _train_side(case: dict[str, Any]) -> dict[str, Any]:
                 dp_with_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
             )
         )
+    # a sample none of whose response this CP rank holds, alone in a micro-batch: the
+    # loss is a zero still connected to the logits (every rank must run backward)
+    empty_alone = 0
+    for i, local in enumerate(rollout_data["log_probs"]):
+        if len(local) > 0:
+            continue
+        alone = DataIterator(rollout_data, [[i]])
+        batch = get_batch(alone, keys, args.data_pad_size_multiplier, args.allgather_cp)
+        given = local_logits([i], batch["tokens"].size(1), logits).requires_grad_(True)
+        loss, _, _ = loss_function(args, batch, 1, 1, given)
+        assert loss.requires_grad and float(loss) == 0.0
+        loss.backward()
+        assert given.grad is not None and torch.count_nonzero(given.grad) == 0
+        empty_alone += 1
     return {
         "tp_rank": tp_rank,
         "dp_rank": dp_rank,
@@ -355,6 +369,7 @@ def _train_side(case: dict[str, Any]) -> dict[str, Any]:
         "grad_max_error": worst,
         "logged": logged,
         "samples": len(partition),
+        "empty_alone": empty_alone,
     }
 
 
@@ -416,6 +431,8 @@ def test_every_recipe_through_slimes_own_data_path_equals_the_reference(
             assert r["grad_max_error"] < ATOL, (recipe, layout, r["grad_max_error"])
             for key, value in want["metrics"].items():  # what slime logs (train/...)
                 assert sum(step[key] for step in r["logged"]) == pytest.approx(value, abs=ATOL)
+        if cp > 1 and recipe != "sft" and recipe != "ssd":  # the placeholder's one token
+            assert sum(r["empty_alone"] for r in results) >= tp, (recipe, layout)
         log = want["rollout_log"]
         if recipe in ("sft", "ssd"):
             assert log["rollout/num_turns"] == pytest.approx((3 + 3 + 2) / 3)
