@@ -1,11 +1,56 @@
-"""Checks a launch makes against the real artifacts, beyond what the config alone says."""
+"""The checks a command makes before it starts, beyond what the config's own validation
+says: `opd launch` (the cluster path) and `opd train` (the local trainer). `opd config
+validate` runs the same functions as the command the config is for."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from launch.config import ConfigError, JobConfig
+from launch.plan import check_cluster, hosts_from_config
 from teacher_server.backend import tokenizer_identity, vocab_digest
+
+LAUNCH = "opd launch"
+TRAIN = "opd train"
+
+
+def command_for(job: JobConfig) -> str:
+    """The command a config is for: a cluster job (GPUs per node) or the local trainer."""
+    return LAUNCH if job.parallel.gpus_per_node > 0 else TRAIN
+
+
+def preflight(job: JobConfig) -> tuple[str, list[str]]:
+    """(the command the config is for, every problem that command refuses it for)."""
+    command = command_for(job)
+    return command, launch_problems(job) if command == LAUNCH else train_problems(job)
+
+
+def launch_problems(job: JobConfig, place_hosts: bool = True) -> list[str]:
+    """Everything `opd launch` checks before it reaches a node, each problem with its fix:
+    the cluster settings and slime flags, the hosts (not for --sbatch, whose nodes are
+    the allocation's), and the tokenizers when both checkpoints are readable here."""
+    checks: list[Callable[[JobConfig], object]] = [check_cluster, check_local_tokenizers]
+    if place_hosts:
+        checks.insert(1, hosts_from_config)
+    problems = []
+    for check in checks:
+        try:
+            check(job)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
+
+
+def train_problems(job: JobConfig) -> list[str]:
+    """Everything `opd train` refuses before it builds anything."""
+    from slime_ext.local.preflight import UnsupportedLocalJob, check_local_job
+
+    try:
+        check_local_job(job)
+    except UnsupportedLocalJob as err:
+        return [str(err)]
+    return []
 
 
 def local_tokenizer_identity(path: str) -> str | None:

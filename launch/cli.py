@@ -52,17 +52,33 @@ def _load_or_exit(path: Path, overrides: list[str] | None) -> JobConfig:
         raise typer.Exit(code=2) from None
 
 
+def _refuse(header: str, problems: list[str]) -> typer.Exit:
+    """Print every problem (each says its fix) under `header`; exit code 2."""
+    err_console.print(f"[red]{header}[/red]", highlight=False, soft_wrap=True)
+    err_console.print("\n".join(problems), highlight=False, markup=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
 @config_app.command("validate")
 def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
-    """Check a config file; exit 2 and name every bad key if it is not valid."""
+    """Check a config for the command it is for: `opd launch` when parallel.gpus_per_node >
+    0, else `opd train`. Runs every check that command makes before it starts (the same
+    functions), so a config that passes is not refused by it; exit 2 naming every
+    problem and its fix."""
+    from launch.checks import preflight
+
     config = _load_or_exit(path, overrides)
+    command, problems = preflight(config)
+    if problems:
+        raise _refuse(f"not ready for {command}: {path}", problems)
     layout = config.parallel
     console.print(
-        f"[green]ok[/green] {path}: recipe {config.algorithm.recipe}, "
+        f"[green]ok for {command}[/green]: {path}: recipe {config.algorithm.recipe}, "
         f"harness {config.rollout.harness}, teacher {config.teacher.kind}, "
         f"{layout.world_size} worker(s) as TP{layout.tp} x CP{layout.cp} x PP{layout.pp} "
         f"x DP{layout.data_parallel}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -124,10 +140,13 @@ def demo(
 def train(path: ConfigPath, overrides: Overrides = None) -> None:
     """Run a job config on this machine (recipes opd, opsd, oprd, rl, sft on the TIR harness);
     resumes from the run directory's checkpoint when there is one."""
-    from slime_ext.local.run_config import run_local_job
+    from slime_ext.local.run_config import UnsupportedLocalJob, run_local_job
 
     config = _load_or_exit(path, overrides)
-    run_local_job(config, console=console)
+    try:
+        run_local_job(config, console=console)
+    except UnsupportedLocalJob as err:
+        raise _refuse(f"cannot train: {path}", [str(err)]) from None
 
 
 @app.command("launch")
@@ -144,11 +163,15 @@ def launch(
     """Start a cluster job: the teacher service on its node, Ray on the training and
     sandbox nodes, the HF -> Megatron conversion when needed, and `ray job submit` of
     slime's train.py with our hooks. Nodes are reached per cluster.executor."""
-    from launch.checks import check_local_tokenizers
+    from launch.checks import launch_problems
     from launch.executor import Executor, LaunchError
     from launch.plan import build_plan, hosts_from_config, render_dry_run, render_sbatch
 
     config = _load_or_exit(path, overrides)
+    # the checks `opd config validate` runs; --sbatch takes its nodes from the allocation
+    problems = launch_problems(config, place_hosts=sbatch is None)
+    if problems:
+        raise _refuse(f"cannot launch: {path}", problems)
     try:
         if sbatch is not None:
             sbatch.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +182,6 @@ def launch(
         if dry_run:  # plain text: rich would wrap the long commands
             typer.echo(render_dry_run(steps, f"{config.logging.run_dir}/logs"), nl=False)
             return
-        check_local_tokenizers(config)
         Executor(config, report=lambda line: console.print(line, highlight=False)).run(steps)
     except ConfigError as err:
         err_console.print(f"[red]cannot launch[/red] {err}", highlight=False)

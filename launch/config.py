@@ -141,13 +141,18 @@ class RolloutConfig(Section):
     temperature: float = Field(default=1.0, gt=0.0)
     """Sampling temperature. KL losses use this same temperature on both sides."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus truncation; 1.0 (off) keeps OPD samples on-policy."""
+    """Nucleus truncation; 1.0 (off) keeps OPD samples on-policy. On a cluster (`opd
+    launch`) recipes that sample (opd, opsd, oprd, rl) need 1.0: slime cannot train our
+    per-turn samples under top-p (launch/README.md)."""
     top_k: int = Field(default=-1, ge=-1)
-    """Top-k truncation; -1 is off."""
+    """Top-k truncation; -1 is off (and needed on a cluster, as top_p 1.0)."""
     tasks_per_step: int = Field(default=8, ge=1)
     """Distinct tasks sampled for one training step."""
     samples_per_task: int = Field(default=1, ge=1)
-    """Trajectories per task (a group, for group-normalized RL)."""
+    """Trajectories per task (a group, for group-normalized RL). A step trains on
+    tasks_per_step x samples_per_task trajectories; recipes sft and ssd on a cluster read
+    that many records' trajectories per step (slime's --rollout-batch-size then counts
+    trajectories, with --n-samples-per-prompt 1)."""
     concurrency: int = Field(default=8, ge=1)
     """Trajectories in flight at once."""
     trajectory_timeout_s: float = Field(default=600.0, gt=0.0)
@@ -346,11 +351,15 @@ class ClusterConfig(Section):
     save_dir: str | None = None
     """Where Megatron checkpoints of this run go (--load / --save); shared storage."""
     tasks_file: str | None = None
-    """Training tasks as JSONL rows {prompt, label, metadata: {task: ...}} (--prompt-data)."""
+    """Training tasks as JSONL rows {prompt, label, metadata: {task: ...}} (--prompt-data);
+    recipes sft and ssd: the pre-tokenized per-turn records (slime_ext.sft_data, .jsonl or
+    .parquet) that slime_ext.slime.sft_rollout feeds."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables of the Ray job (added to slime's usual ones)."""
     extra_train_args: list[str] = Field(default_factory=list)
-    """More slime / Megatron arguments, appended as given."""
+    """More slime / Megatron arguments, appended as given. Flags our hooks cannot honour,
+    and those the plan sets from this config, are refused with the reason
+    (launch/slime_flags.py)."""
     ray_port: int = Field(default=6379, ge=1, le=65535)
     dashboard_port: int = Field(default=8265, ge=1, le=65535)
 

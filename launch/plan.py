@@ -28,6 +28,12 @@ from launch.config import (
     JobConfig,
     config_to_yaml,
 )
+from launch.slime_flags import (
+    SAMPLED_ON_SLIME,
+    TOP_P_BELOW_ONE,
+    extra_args_problems,
+    router_policy_args,
+)
 from teacher_server.snapshot_sync import converter_problem, slime_converter, snapshot_steps
 
 HOOKS = "slime_ext.slime"
@@ -74,7 +80,11 @@ def hosts_from_config(job: JobConfig) -> Hosts:
             f"num_nodes {job.parallel.num_nodes}, got {len(cluster.workers)}"
         )
     if missing:
-        raise ConfigError("cannot place the job: " + "; ".join(missing))
+        raise ConfigError(
+            "cannot place the job: "
+            + "; ".join(missing)
+            + " (`opd launch --sbatch` takes the nodes from the Slurm allocation instead)"
+        )
     assert cluster.head is not None
     return Hosts(cluster.head, list(cluster.workers), job.teacher.node, list(cluster.sandbox_hosts))
 
@@ -96,8 +106,13 @@ def check_cluster(job: JobConfig) -> None:
     recipe = job.algorithm.recipe
     if recipe == "oprd" and job.algorithm.oprd_failure_loss != "sampled":
         problems.append(f"algorithm.oprd_failure_loss: {OPRD_ON_SLIME}")
-    if recipe not in ("sft", "ssd") and job.cluster.tasks_file is None:
-        problems.append("cluster.tasks_file: the training tasks (JSONL) for slime's --prompt-data")
+    if job.cluster.tasks_file is None:
+        problems.append(
+            "cluster.tasks_file: the pre-tokenized SFT records (slime_ext.sft_data, e.g. from "
+            "`opd ssd export`) that slime_ext.slime.sft_rollout feeds"
+            if recipe in ("sft", "ssd")
+            else "cluster.tasks_file: the training tasks (JSONL) for slime's --prompt-data"
+        )
     teacher = job.teacher
     if recipe in RECIPES_WITH_TEACHER:
         if teacher.kind == "self":
@@ -120,8 +135,27 @@ def check_cluster(job: JobConfig) -> None:
             problems.append(
                 "algorithm.opd_loss: slime's batch carries no per-token top-k; use sampled"
             )
+    problems += _sampling_problems(job)
+    problems += extra_args_problems(job)
     if problems:
         raise ConfigError("not launchable on a cluster:\n  " + "\n  ".join(problems))
+
+
+def _sampling_problems(job: JobConfig) -> list[str]:
+    """Truncated sampling, which slime cannot train on with our per-turn samples."""
+    rollout, recipe, problems = job.rollout, job.algorithm.recipe, []
+    if recipe not in SAMPLED_ON_SLIME:
+        return []  # sft / ssd: pre-tokenized data, the plan passes no top-p / top-k
+    if rollout.top_p < 1.0:
+        problems.append(f"rollout.top_p {rollout.top_p}: {TOP_P_BELOW_ONE}: set rollout.top_p: 1.0")
+    if rollout.top_k != -1:
+        problems.append(
+            f"rollout.top_k {rollout.top_k}: slime keeps no top-k token sets (only top-p "
+            "ones), so its recomputed log-probs and our losses would use the untruncated "
+            "distribution of samples drawn from a truncated one: off-policy training without "
+            "a warning. Set rollout.top_k: -1"
+        )
+    return problems
 
 
 def _snapshot_sync_problems(job: JobConfig) -> list[str]:
@@ -225,7 +259,7 @@ def build_plan(
         )
     steps.append(_convert_step(job, hosts))
     submit = _submit_command(job, hooks_yaml, run, wait_for_job)
-    steps.append(Step("submit", hosts.head, submit, note=_save_interval_note(job)))
+    steps.append(Step("submit", hosts.head, submit, note=_submit_note(job)))
     return steps
 
 
@@ -307,6 +341,18 @@ def _sync_step(job: JobConfig, host: str, run: str) -> Step:
     return Step("teacher snapshot sync", host, env + shlex.join(sync), "background", note=note)
 
 
+def _submit_note(job: JobConfig) -> str:
+    rollout, notes = job.rollout, [_save_interval_note(job)]
+    if job.algorithm.recipe in ("sft", "ssd") and rollout.samples_per_task > 1:
+        trajectories = rollout.tasks_per_step * rollout.samples_per_task
+        notes.append(
+            f"--rollout-batch-size {trajectories} counts trajectories (rollout.tasks_per_step "
+            f"{rollout.tasks_per_step} x samples_per_task {rollout.samples_per_task}): "
+            "slime_ext.slime.sft_rollout emits one per group"
+        )
+    return "; ".join(note for note in notes if note)
+
+
 def _save_interval_note(job: JobConfig) -> str:
     if not _syncs_snapshot(job):
         return ""
@@ -369,15 +415,24 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     ]  # fmt: skip
     if layout.tp > 1:
         args.append("--sequence-parallel")
+    trajectories = rollout.tasks_per_step * rollout.samples_per_task
+    pretokenized = algorithm.recipe in ("sft", "ssd")
+    args += ["--num-rollout", str(algorithm.steps)]
+    if pretokenized:  # sft_rollout emits rollout_batch_size trajectories, one per group
+        args += ["--rollout-batch-size", str(trajectories), "--n-samples-per-prompt", "1"]
+    else:
+        args += [
+            "--rollout-batch-size", str(rollout.tasks_per_step),
+            "--n-samples-per-prompt", str(rollout.samples_per_task),
+        ]  # fmt: skip
     args += [
-        "--num-rollout", str(algorithm.steps),
-        "--rollout-batch-size", str(rollout.tasks_per_step),
-        "--n-samples-per-prompt", str(rollout.samples_per_task),
-        "--global-batch-size", str(rollout.tasks_per_step * rollout.samples_per_task),
+        "--global-batch-size", str(trajectories),
         "--rollout-max-response-len", str(rollout.max_new_tokens),
         "--rollout-temperature", str(rollout.temperature),
-        "--rollout-top-p", str(rollout.top_p),
-        "--rollout-top-k", str(rollout.top_k),
+    ]  # fmt: skip
+    if not pretokenized:  # slime samples nothing for sft / ssd
+        args += ["--rollout-top-p", str(rollout.top_p), "--rollout-top-k", str(rollout.top_k)]
+    args += [
         "--custom-config-path", hooks_yaml,
         "--loss-type", "custom_loss",
         "--custom-loss-function-path", f"{HOOKS}.loss.loss",
@@ -392,7 +447,7 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
         "--accumulate-allreduce-grads-in-fp32",
         "--attention-softmax-in-fp32",
     ]  # fmt: skip
-    if algorithm.recipe in ("sft", "ssd"):
+    if pretokenized:
         args += [
             "--rollout-function-path", f"{HOOKS}.sft_rollout.generate_rollout",
             "--disable-compute-advantages-and-returns",
@@ -414,6 +469,7 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
         ]  # fmt: skip
         if oprd:
             args += ["--custom-advantage-function-path", f"{HOOKS}.oprd.advantages"]
+        args += router_policy_args(job)  # trajectories stay on one engine's prefix cache
     if job.logging.wandb_mode != "disabled":
         args += ["--use-wandb", "--wandb-project", job.logging.wandb_project]
         if job.logging.wandb_group:

@@ -242,3 +242,40 @@ def test_help_everywhere(args: list[str]) -> None:
     result = runner.invoke(app, [*args, "--help"] if "--help" not in args else args)
     assert result.exit_code == 0
     assert "Usage" in result.output
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_validate_checks_each_example_for_the_command_it_is_for(path: Path) -> None:
+    """gpus_per_node > 0: a cluster job, checked as `opd launch` checks it; 0: the local
+    trainer's job, checked as `opd train` does."""
+    result = runner.invoke(app, ["config", "validate", str(path)])
+    assert result.exit_code == 0, result.output
+    command = "opd launch" if load_config(path).parallel.gpus_per_node else "opd train"
+    assert result.output.startswith(f"ok for {command}: {path}: recipe ")
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        ({"rollout": {"harness": "swe"}}, "rollout.harness: the local trainer runs the tir"),
+        ({"algorithm": {"recipe": "ssd"}}, "algorithm.recipe 'ssd': the local trainer runs"),
+        ({"model": {"student": "bundled:coach"}}, "model.student 'bundled:coach': bundled"),
+        ({"teacher": {"model": "bundled:tutor"}}, "teacher.model 'bundled:tutor': bundled"),
+    ],
+)
+def test_validate_refuses_what_opd_train_refuses_with_the_same_problem(
+    tmp_path: Path, data: dict, problem: str
+) -> None:
+    """A local config (gpus_per_node 0) that `opd train` would refuse before building
+    anything: validate refuses it too, through the same check, with the same text. (Before,
+    validate only parsed: `opd config validate` said ok to a SWE job for the local trainer.)"""
+    path = _write(tmp_path, {**data, "logging": {"run_dir": str(tmp_path / "run")}})
+    validate = runner.invoke(app, ["config", "validate", str(path)])
+    train = runner.invoke(app, ["train", str(path)])
+    assert (validate.exit_code, train.exit_code) == (2, 2), validate.output + train.output
+    assert validate.output.startswith(f"not ready for opd train: {path}\n")
+    assert train.output.startswith(f"cannot train: {path}\n")
+    problems = validate.output.split("\n", 1)[1]
+    assert problems == train.output.split("\n", 1)[1]
+    assert problem in problems
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made

@@ -4,9 +4,11 @@ this machine, fake `ray` / `torchrun`, and the real `opd-teacher`)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -27,6 +30,7 @@ from launch.cli import app
 from launch.config import ConfigError, config_from_dict, load_config
 from launch.executor import Executor, LaunchError
 from launch.plan import Hosts, build_plan, check_cluster, hosts_from_config, render_dry_run
+from launch.slime_flags import given_flags
 from teacher_server.cli import app as teacher_cli
 from tests import megatron_converter_standin as converter_standin
 from tests.live_server import free_port
@@ -364,6 +368,271 @@ def test_missing_nodes_are_named() -> None:
     job = _cluster_job(cluster={"workers": ["a"]})
     with pytest.raises(ConfigError, match="3 more training node"):
         hosts_from_config(job)
+
+
+def _argv(job: Any) -> list[str]:
+    """slime's train.py arguments of the job's plan."""
+    submit = build_plan(job, hosts_from_config(job))[-1].command
+    return shlex.split(submit.split(" -- ", 1)[1])
+
+
+def _value(argv: list[str], flag: str) -> str:
+    [index] = [i for i, token in enumerate(argv) if token == flag]
+    return argv[index + 1]
+
+
+@pytest.mark.parametrize("recipe", ["opd", "rl"])
+def test_top_p_below_one_is_refused_where_slime_samples(recipe: str) -> None:
+    """slime asserts per-sample top-p token sets for --rollout-top-p != 1 (our samples have
+    none); the plan used to pass --rollout-top-p 0.9 on to it."""
+    job = _cluster_job(rollout={"top_p": 0.9}, algorithm={"recipe": recipe})
+    with pytest.raises(ConfigError) as caught:
+        check_cluster(job)
+    message = str(caught.value)
+    assert "rollout.top_p 0.9: with a top-p below 1 slime asserts" in message
+    assert "rollout_top_p_token_ids" in message and "set rollout.top_p: 1.0" in message
+
+
+def test_top_k_truncation_is_refused_where_slime_samples() -> None:
+    job = _oprd_job(rollout={"top_k": 20})
+    with pytest.raises(ConfigError, match=r"rollout.top_k 20: slime keeps no top-k .* -1"):
+        check_cluster(job)
+
+
+def _sft_job(**rollout: Any) -> Any:
+    return _cluster_job(
+        algorithm={"recipe": "sft"},
+        rollout={"tasks_per_step": 4, "samples_per_task": 2, **rollout},
+        cluster={"tasks_file": "/shared/data/sft.jsonl"},
+    )
+
+
+def test_sft_plan_takes_no_sampling_truncation() -> None:
+    """sft / ssd train on pre-tokenized data: a top-p in the config (SSD's sampling
+    setting) is no reason to refuse the job, and slime gets no --rollout-top-p / -top-k."""
+    job = _sft_job(top_p=0.9, top_k=20)
+    check_cluster(job)
+    argv = _argv(job)
+    assert "--rollout-top-p" not in argv and "--rollout-top-k" not in argv
+    assert "--router-policy" not in argv  # slime's router serves no rollouts of ours
+
+
+def test_sft_plan_batch_sizes_count_the_trajectories_sft_rollout_emits(tmp_path: Path) -> None:
+    """With samples_per_task 2, sft_rollout emits --rollout-batch-size trajectories per step
+    (one per group); slime's dp_schedule needs at least --global-batch-size rollout ids
+    (each step trains global-batch-size rollouts), and the plan used to pass 4 and 8."""
+    from slime_ext.sft_data import TurnRecord, write_records
+    from slime_ext.slime.sft_rollout import generate_rollout
+    from tests.slime_driver import sample_class
+
+    records = tmp_path / "sft.jsonl"
+    turn = {"tokens": [1, 2, 3], "response_length": 1, "loss_mask": [1]}
+    write_records(
+        records,
+        [TurnRecord(trajectory_id=f"t{i}", turn=k, **turn) for i in range(20) for k in range(2)],
+    )
+    job = _sft_job()
+    argv = _argv(job)
+    trajectories = job.rollout.tasks_per_step * job.rollout.samples_per_task
+    rollout_batch = int(_value(argv, "--rollout-batch-size"))
+    per_prompt = int(_value(argv, "--n-samples-per-prompt"))
+    global_batch = int(_value(argv, "--global-batch-size"))
+    assert (rollout_batch, per_prompt, global_batch) == (trajectories, 1, trajectories)
+    args = SimpleNamespace(
+        opd_sft_data=str(records), rollout_batch_size=rollout_batch, seed=0
+    )  # what sft_rollout reads of slime's args
+    groups = generate_rollout(args, 0, None, sample_class=sample_class())
+    assert len(groups) == rollout_batch * per_prompt  # slime's "rollout_batch_size * n"
+    rollout_ids = {s.rollout_id for group in groups for turns in group for s in turns}
+    assert len(rollout_ids) == global_batch  # one full training step, nothing left over
+    assert "counts trajectories" in build_plan(job, hosts_from_config(job))[-1].note
+
+
+def test_plan_routes_a_trajectory_to_one_rollout_engine() -> None:
+    """Our rollout policy's X-SMG-Routing-Key is honoured under router policy manual;
+    slime's router defaults to cache_aware."""
+    for recipe in ("opd", "rl"):
+        argv = _argv(_cluster_job(algorithm={"recipe": recipe}))
+        assert _value(argv, "--router-policy") == "manual"
+    chosen = _argv(
+        _cluster_job(cluster={"extra_train_args": ["--router-policy=consistent_hashing"]})
+    )
+    assert "--router-policy" not in chosen  # the user's own, appended as given
+    assert chosen[-1] == "--router-policy=consistent_hashing"
+
+
+def test_plans_router_policy_is_one_the_sglang_router_cli_accepts() -> None:
+    """slime parses --router-* with sglang-router's RouterArgs (use_router_prefix=True,
+    slime/backends/sglang_utils/arguments.py); an unknown choice ends slime at startup."""
+    launch_router = pytest.importorskip("sglang_router.launch_router")
+    parser = argparse.ArgumentParser(add_help=False)
+    launch_router.RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
+    argv = _argv(_cluster_job())
+    index = argv.index("--router-policy")
+    parsed, _ = parser.parse_known_args(argv[index : index + 2])
+    assert launch_router.RouterArgs.from_cli_args(parsed, use_router_prefix=True).policy == (
+        "manual"
+    )
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "message"),
+    [
+        ("opd", ["--group-rm"], "slime then rewards each group at once"),
+        ("rl", ["--allgather-cp"], "slime then splits .* contiguously"),
+        ("sft", ["--calculate-per-token-loss"], "invariant 7"),
+        ("opd", ["--use-opd", "--opd-type", "sglang"], "slime's own OPD \\(a KL penalty"),
+        ("opd", ["--partial-rollout"], "slime then recycles"),
+        ("opd", ["--loss-type", "policy_loss"], "policy_loss: the plan points it"),
+        ("opd", ["--custom-loss-function-path=my.loss"], "silently replace them"),
+        ("rl", ["--custom-generate-function-path", "my.gen"], "silently replace them"),
+        ("rl", ["--custom-rm-path", "my.rm"], "silently replace them"),
+        ("rl", ["--custom-reward-post-process-path", "my.pp"], "silently replace them"),
+        ("sft", ["--rollout-function-path", "my.rollout"], "silently replace them"),
+        ("opd", ["--custom-advantage-function-path", "my.adv"], "silently replace them"),
+        ("opd", ["--custom-config-path", "/x.yaml"], "silently replace them"),
+        ("opd", ["--custom-convert-samples-to-train-data-path", "my.c"], "teacher_log_probs"),
+        ("opd", ["--rollout-temperature=0.7"], "set rollout.temperature instead"),
+        ("opd", ["--rollout-top-p", "0.9"], "set rollout.top_p instead"),
+        ("sft", ["--rollout-top-p", "0.9"], "slime samples nothing"),
+        ("opd", ["--global-batch-size", "64"], "set rollout.tasks_per_step and"),
+        ("sft", ["--rollout-batch-size", "8"], "set rollout.tasks_per_step instead"),
+        ("rl", ["--n-samples-per-prompt", "8"], "set rollout.samples_per_task instead"),
+        ("opd", ["--tensor-model-parallel-size", "4"], "set parallel.tp instead"),
+        ("opd", ["--context-parallel-size=1"], "set parallel.cp instead"),
+        ("opd", ["--num-steps-per-rollout", "2"], "one optimizer step per rollout"),
+        ("opd", ["--advantage-estimator", "ppo"], "ppo trains a critic"),
+        ("rl", ["--advantage-estimator", "gspo"], "differ from grpo only inside"),
+        ("oprd", ["--normalize-advantages"], "recipe oprd: --normalize-advantages would"),
+        ("opd", ["--router-policy", "cache_aware"], "honours only under policy manual"),
+        ("opd", ["--reward-key", "score"], "sample.reward\\[key\\]"),
+        ("opd", ["--use-rollout-routing-replay"], "rollout_routed_experts"),
+        ("opd", ["--use-kl-loss", "--kl-loss-coef", "0.1"], "inside its own policy_loss"),
+        ("rl", ["--entropy-coef", "0.01"], "inside its own policy_loss"),
+        ("opd", ["--kl-coef", "0.1"], "not algorithm.kl_coef"),
+        ("opd", ["--rollout-stop", "</s>"], "reaches only the sampling_params"),
+        (
+            "rl",
+            ["--dynamic-sampling-filter-path", "slime.rollout.filter_hub.x.check"],
+            "use a filter that takes lists",
+        ),
+    ],
+)
+def test_extra_train_args_that_our_hooks_cannot_honour_are_refused(
+    recipe: str, extra: list[str], message: str
+) -> None:
+    job = _recipe_job(recipe, extra)
+    flag = extra[0].partition("=")[0]
+    with pytest.raises(ConfigError, match=f"cluster.extra_train_args {flag}.*{message}"):
+        check_cluster(job)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra"),
+    [
+        ("opd", ["--use-rollout-logprobs", "--keep-old-actor", "--disable-rewards-normalization"]),
+        ("rl", ["--normalize-advantages", "--advantage-estimator=reinforce_plus_plus"]),
+        ("rl", ["--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.01"]),
+        ("opd", ["--router-policy", "manual", "--entropy-coef", "0", "--kl-coef=0"]),
+        ("oprd", ["--use-routing-replay", "--rollout-seed", "7", "--sglang-mem-fraction-static",
+                  "0.7"]),
+        ("sft", ["--router-policy", "cache_aware", "--recompute-granularity", "full"]),
+    ],
+)  # fmt: skip
+def test_extra_train_args_our_hooks_honour_pass_through(recipe: str, extra: list[str]) -> None:
+    job = _recipe_job(recipe, extra)
+    check_cluster(job)
+    assert _argv(job)[-len(extra) :] == extra
+
+
+def test_flag_values_are_read_in_both_forms() -> None:
+    assert given_flags(
+        ["--a", "1", "--b=x=y", "--switch", "--c", "-1", "--d", "--e=", "loose", "--a", "2"]
+    ) == {"--a": "2", "--b": "x=y", "--switch": None, "--c": "-1", "--d": None, "--e": ""}
+
+
+def _recipe_job(recipe: str, extra: list[str] | None = None, **sections: Any) -> Any:
+    """The example cluster config of the recipe (opd's example for rl, sft and ssd)."""
+    if recipe == "opsd":
+        return _opsd_job(**sections, cluster={"extra_train_args": extra or []})
+    if recipe == "oprd":
+        return _oprd_job(**sections, cluster={"extra_train_args": extra or []})
+    algorithm = {"recipe": recipe, **sections.pop("algorithm", {})}
+    return _cluster_job(algorithm=algorithm, cluster={"extra_train_args": extra or []}, **sections)
+
+
+RECIPE_CONFIGS: dict[str, tuple[Path, list[str]]] = {
+    "opd": (EXAMPLE, []),
+    "opsd": (OPSD_EXAMPLE, []),
+    "oprd": (OPRD_EXAMPLE, []),
+    "rl": (EXAMPLE, ["algorithm.recipe=rl"]),
+    "sft": (EXAMPLE, ["algorithm.recipe=sft", "rollout.samples_per_task=2"]),
+    "ssd": (EXAMPLE, ["algorithm.recipe=ssd"]),
+}
+"""A cluster config of each recipe: an example and overrides."""
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "refusal"),
+    [
+        *((recipe, [], None) for recipe in RECIPE_CONFIGS),
+        ("opd", ["teacher.top_k=8", "algorithm.opd_loss=topk_tail"], "use sampled"),
+        ("opd", ["cluster.workers=[train-node-1]"], "3 more training node"),
+        ("opd", ["rollout.top_p=0.9"], "rollout.top_p 0.9"),
+        ("rl", ["rollout.top_p=0.95"], "rollout.top_p 0.95"),
+        ("opsd", ["rollout.top_k=20"], "rollout.top_k 20"),
+        ("sft", ["rollout.top_p=0.9"], None),
+        ("ssd", ["cluster.tasks_file=null"], "cluster.tasks_file: the pre-tokenized"),
+        *(
+            (recipe, [f"cluster.extra_train_args={json.dumps(extra)}"], extra[0].split("=")[0])
+            for recipe, extra, _ in [
+                ("opd", ["--group-rm"], ""),
+                ("rl", ["--allgather-cp"], ""),
+                ("sft", ["--calculate-per-token-loss"], ""),
+                ("opsd", ["--use-opd"], ""),
+                ("oprd", ["--normalize-advantages"], ""),
+                ("opd", ["--loss-type", "policy_loss"], ""),
+                ("rl", ["--rollout-top-p=0.9"], ""),
+                ("ssd", ["--global-batch-size", "3"], ""),
+                ("opd", ["--router-policy", "round_robin"], ""),
+                ("opd", ["--advantage-estimator", "ppo"], ""),
+                ("opd", ["--partial-rollout"], ""),
+            ]
+        ),
+        ("opd", ['cluster.extra_train_args=["--use-rollout-logprobs"]'], None),
+    ],
+)
+def test_validate_accepts_a_cluster_config_iff_launch_dry_run_does(
+    recipe: str, overrides: list[str], refusal: str | None
+) -> None:
+    """`opd config validate` runs the checks of `opd launch` (the same functions): it
+    accepts exactly what the dry run accepts, and a refusal names the same problems."""
+    path, base = RECIPE_CONFIGS[recipe]
+    sets = [arg for item in [*base, *overrides] for arg in ("--set", item)]
+    validate = CliRunner().invoke(app, ["config", "validate", str(path), *sets])
+    dry_run = CliRunner().invoke(app, ["launch", str(path), *sets, "--dry-run"])
+    assert (validate.exit_code, dry_run.exit_code) in [(0, 0), (2, 2)], (
+        validate.output + dry_run.output
+    )
+    if refusal is None:
+        assert validate.exit_code == 0, validate.output
+        assert validate.output.startswith(f"ok for opd launch: {path}: recipe {recipe}")
+        return
+    assert validate.output.startswith(f"not ready for opd launch: {path}\n")
+    assert dry_run.output.startswith(f"cannot launch: {path}\n")
+    problems = validate.output.split("\n", 1)[1]
+    assert problems == dry_run.output.split("\n", 1)[1]
+    assert re.search(refusal, problems), problems
+
+
+def test_sbatch_takes_its_nodes_from_the_allocation(tmp_path: Path) -> None:
+    """The one launch check validate makes that --sbatch skips: the hosts in the config."""
+    script = tmp_path / "job.sbatch"
+    args = ["launch", str(EXAMPLE), "--set", "cluster.workers=[]", "--set", "cluster.head=null"]
+    assert CliRunner().invoke(app, [*args, "--sbatch", str(script)]).exit_code == 0
+    assert "$NODE_3" in script.read_text()
+    refused = CliRunner().invoke(app, [*args, "--dry-run"])
+    assert refused.exit_code == 2 and "--sbatch` takes the nodes" in refused.output
 
 
 def test_tokenizers_are_compared_by_content(factory_dir: Path, tmp_path: Path) -> None:

@@ -77,7 +77,6 @@ def job_dict(recipe: str, tmp_path: Path) -> dict[str, Any]:
             "oprd_success_weight": LAMBDA_POS,
             "oprd_failure_weight": LAMBDA_NEG,
         }
-    samples_per_task = 1 if recipe in ("sft", "ssd") else 2
     return {
         "model": {"student": str(tmp_path / "student")},
         "parallel": {
@@ -90,7 +89,7 @@ def job_dict(recipe: str, tmp_path: Path) -> dict[str, Any]:
             "max_context_tokens": 256,
             "max_new_tokens": 48,
             "tasks_per_step": 3,
-            "samples_per_task": samples_per_task,
+            "samples_per_task": 2,  # sft / ssd: trajectories per step = tasks x samples
         },
         "teacher": teacher,
         "algorithm": algorithm,

@@ -43,6 +43,7 @@ from rollout.reminders import ReminderTeacherContext
 from rollout.runner import Runner, TeacherContext, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
+from slime_ext.local.preflight import LOCAL_RECIPES
 from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from teacher_server.client import TeacherClient
 from teacher_server.snapshot_sync import refresh_steps
@@ -227,9 +228,9 @@ class LocalRun:
     ) -> list[dict[str, float]]:
         job = self.job
         recipe = job.algorithm.recipe
-        if recipe not in ("opd", "opsd", "oprd", "rl", "sft"):
+        if recipe not in LOCAL_RECIPES:
             raise ValueError(
-                f"the local trainer runs opd, opsd, oprd, rl and sft; {recipe!r} is not yet "
+                f"the local trainer runs {', '.join(LOCAL_RECIPES)}; {recipe!r} is not yet "
                 "supported here"
             )
         total = steps if steps is not None else job.algorithm.steps

@@ -18,14 +18,15 @@ from launch.runtime import teacher_in_process
 from rollout.tasks.arithmetic import make_tasks
 from slime_ext.local.factory import materialize
 from slime_ext.local.loop import LocalRun, embedded_teacher
+from slime_ext.local.preflight import (
+    BUNDLED_PREFIX,
+    UnsupportedLocalJob,
+    bundled_name_problem,
+    check_local_job,
+)
 from slime_ext.local.wandb_log import WandbLogger
 
-BUNDLED_PREFIX = "bundled:"
 TRAIN_TASKS = 4000
-
-
-class UnsupportedLocalJob(ValueError):
-    """A job the embedded trainer cannot run (it says what to use instead)."""
 
 
 def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
@@ -33,13 +34,10 @@ def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
     if name.startswith(BUNDLED_PREFIX):
         from slime_ext.local.opd_demo import bundled_models
 
+        if problem := bundled_name_problem(name):
+            raise UnsupportedLocalJob(problem)
         student, teacher = bundled_models()
-        which = name.removeprefix(BUNDLED_PREFIX)
-        if which not in ("student", "teacher"):
-            raise UnsupportedLocalJob(
-                f"{name!r}: bundled models are bundled:student and bundled:teacher"
-            )
-        return student if which == "student" else teacher
+        return student if name.removeprefix(BUNDLED_PREFIX) == "student" else teacher
     return materialize(name, cache_dir, seed=seed)
 
 
@@ -75,14 +73,7 @@ def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str
 
 
 def run_local_job(job: JobConfig, console: Console | None = None) -> list[dict[str, Any]]:
-    if job.rollout.harness != "tir":
-        raise UnsupportedLocalJob(
-            "the local trainer runs the tir harness; SWE jobs run on the cluster path (launch/)"
-        )
-    if job.parallel.gpus_per_node:
-        raise UnsupportedLocalJob(
-            "parallel.gpus_per_node > 0 is a cluster job: submit it with the launch scripts"
-        )
+    check_local_job(job)  # what `opd config validate` checks for `opd train`
     run_dir = Path(job.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     student_dir = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)

@@ -14,24 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import OPRD_ON_SLIME, JobConfig, load_config
+from launch.slime_flags import TOP_P_BELOW_ONE, refusal_reason
 
 CONFIG_KEY = "opd_job_config"
 UNSUPPORTED_SLIME_ARGS = {
-    "group_rm": (
-        "slime then rewards a whole group at once and assigns the rewards to the group's "
-        "members, which are our per-turn sample lists (slime/rollout/sglang_rollout.py, "
-        "generate_and_rm_group); our generate hook grades each trajectory in its episode: "
-        "drop --group-rm"
-    ),
-    "allgather_cp": (
-        "slime then lays context-parallel chunks out contiguously over the packed batch; "
-        "our loss reads slime's default zigzag layout and would train on the wrong rows: "
-        "drop --allgather-cp"
-    ),
-    "calculate_per_token_loss": (
-        "slime would then average over all tokens of the step, while every recipe here is "
-        "normalized per trajectory (slime's per-rollout means, DESIGN.md invariant 7): drop it"
-    ),
+    flag: refusal_reason(f"--{flag.replace('_', '-')}")
+    for flag in ("group_rm", "allgather_cp", "calculate_per_token_loss")
 }
 """slime arguments whose data layout or reduction our hooks cannot honour, and why."""
 CONFIG_ENV = "OPD_JOB_CONFIG"
@@ -78,10 +66,7 @@ def _check_against_slime(job: JobConfig, args: Any) -> None:
     top_p = getattr(args, "rollout_top_p", None)
     if top_p is not None and float(top_p) != 1.0:
         raise HookConfigError(
-            f"--rollout-top-p {top_p}: slime then requires every sample to carry the "
-            "top-p kept-token sets of its response (rollout_top_p_token_ids) and recomputes "
-            "log-probs on them; our per-turn samples carry none and the sampled reverse KL is "
-            "on-policy only for untruncated sampling: set rollout.top_p 1 (and no "
+            f"--rollout-top-p {top_p}: {TOP_P_BELOW_ONE}: set rollout.top_p 1 (and no "
             "--rollout-top-p)"
         )
     slime_temperature = getattr(args, "rollout_temperature", None)

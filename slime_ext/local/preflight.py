@@ -1,0 +1,62 @@
+"""What the embedded trainer (`opd train`) runs, checked before anything is built.
+
+`run_local_job` refuses a job with these problems, and `opd config validate` runs the same
+check on a config with parallel.gpus_per_node 0. Light on purpose: no torch import.
+"""
+
+from __future__ import annotations
+
+from launch.config import JobConfig
+
+LOCAL_RECIPES = ("opd", "opsd", "oprd", "rl", "sft")
+"""Recipes the local trainer runs (SSD trains on pre-tokenized data, on a cluster)."""
+BUNDLED_PREFIX = "bundled:"
+BUNDLED_MODELS = ("student", "teacher")
+
+
+class UnsupportedLocalJob(ValueError):
+    """A job the embedded trainer cannot run (it says what to use instead)."""
+
+
+def bundled_name_problem(name: str) -> str | None:
+    """Why `bundled:<name>` names no bundled model; None for other names."""
+    if not name.startswith(BUNDLED_PREFIX):
+        return None
+    if name.removeprefix(BUNDLED_PREFIX) in BUNDLED_MODELS:
+        return None
+    return f"{name!r}: bundled models are bundled:student and bundled:teacher"
+
+
+def local_job_problems(job: JobConfig) -> list[str]:
+    """Every reason the local trainer refuses `job`, each with what to do instead."""
+    problems = []
+    if job.rollout.harness != "tir":
+        problems.append(
+            "rollout.harness: the local trainer runs the tir harness; SWE jobs run on the "
+            "cluster path (`opd launch`, parallel.gpus_per_node > 0; launch/README.md)"
+        )
+    if job.parallel.gpus_per_node:
+        problems.append(
+            "parallel.gpus_per_node > 0 is a cluster job: run it with `opd launch`, or set "
+            "parallel.gpus_per_node: 0 for the local trainer"
+        )
+    recipe = job.algorithm.recipe
+    if recipe not in LOCAL_RECIPES:
+        problems.append(
+            f"algorithm.recipe {recipe!r}: the local trainer runs {', '.join(LOCAL_RECIPES)}; "
+            "SSD trains on a cluster (`opd launch`) from `opd ssd sample` / `opd ssd export` "
+            "data in cluster.tasks_file"
+        )
+    models = {"model.student": job.model.student}
+    if recipe == "opd" and job.teacher.kind == "embedded" and job.teacher.model:
+        models["teacher.model"] = job.teacher.model
+    for key, name in models.items():
+        if problem := bundled_name_problem(name):
+            problems.append(f"{key} {problem}")
+    return problems
+
+
+def check_local_job(job: JobConfig) -> None:
+    problems = local_job_problems(job)
+    if problems:
+        raise UnsupportedLocalJob("not runnable by `opd train`:\n  " + "\n  ".join(problems))
