@@ -459,3 +459,40 @@ def test_hooks_refuse_slime_flags_that_break_the_objective(tmp_path: Path) -> No
     args.group_rm = True
     with pytest.raises(HookConfigError, match="group-rm"):
         asyncio.run(reward(args, [[SimpleNamespace(metadata={})]]))
+
+
+MEGATRON_LM_FLAGS = frozenset(
+    {
+        "--tensor-model-parallel-size", "--context-parallel-size",
+        "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+        "--expert-tensor-parallel-size", "--sequence-parallel", "--optimizer",
+        "--lr-decay-style", "--weight-decay", "--attention-dropout", "--hidden-dropout",
+        "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
+    }
+)  # fmt: skip
+"""The flags the plan writes for Megatron-LM's parser (megatron/training/arguments.py)."""
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_flag_the_plan_writes_is_one_slime_or_megatron_reads(
+    tmp_path: Path, recipe: str
+) -> None:
+    """slime hands Megatron-LM's parser what its own parser does not know, and Megatron
+    drops unknown flags silently (ignore_unknown_args): a misspelled slime flag in the plan
+    would vanish. Every flag left over by slime's parser must be one of Megatron's."""
+    import argparse
+
+    from slime.backends.sglang_utils.arguments import add_sglang_router_arguments
+    from slime.utils.arguments import get_slime_extra_args_provider
+
+    from launch.plan import train_args
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    get_slime_extra_args_provider()(parser)
+    try:
+        add_sglang_router_arguments(parser)
+    except slime_cpu.StandInCalled:
+        pytest.skip("sglang_router is not installed: the --router-* flags are its own")
+    job = config_from_dict(job_dict(recipe, tmp_path))
+    _, left = parser.parse_known_args(train_args(job, str(tmp_path / "hooks.yaml")))
+    assert {arg for arg in left if arg.startswith("--")} <= MEGATRON_LM_FLAGS
