@@ -9,6 +9,7 @@ defaults here unless the recipe computes student log-probs under the same trunca
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from typing import Any, Literal, Protocol
@@ -17,11 +18,25 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
+MAX_ROUTING_KEY_LEN = 128
 FinishReason = Literal["stop", "length", "abort"]
 
 
 class PolicyError(RuntimeError):
     """The generation backend failed (not the model's output): the trajectory aborts."""
+
+
+class GenerationAborted(PolicyError):
+    """The engine aborted a turn's generation (slime ends a rollout step by POSTing SGLang's
+    /abort_request to every engine): the trajectory ends aborted, and the partial span is
+    never recorded as a turn."""
+
+    def __init__(self, engine_message: str, partial_tokens: int) -> None:
+        super().__init__(
+            f"the engine aborted the generation ({engine_message}) after {partial_tokens} tokens"
+        )
+        self.engine_message = engine_message
+        self.partial_tokens = partial_tokens
 
 
 class SamplingParams(BaseModel):
@@ -42,6 +57,9 @@ class Generation(BaseModel):
     logprobs: list[float]
     finish_reason: FinishReason
     model_s: float = 0.0
+    abort_message: str | None = None
+    """The engine's word when finish_reason is 'abort' (SGLang: 'Aborted' for a running
+    request ended by /abort_request, 'Abort in waiting queue' for one that never started)."""
 
 
 class Policy(Protocol):
@@ -176,6 +194,16 @@ class HFPolicy:
         return token, float(logprobs[token])
 
 
+def routing_key(session_id: str) -> str:
+    """The `X-SMG-Routing-Key` value of a session: the id itself when it is printable ASCII
+    of at most MAX_ROUTING_KEY_LEN characters (httpx sends header values as ASCII), else
+    its SHA-256, so that distinct sessions keep distinct keys."""
+    fits = len(session_id) <= MAX_ROUTING_KEY_LEN
+    if fits and session_id.isascii() and session_id.isprintable():
+        return session_id
+    return hashlib.sha256(session_id.encode()).hexdigest()
+
+
 class SGLangPolicy:
     """An SGLang server's /generate with input ids; one trajectory routed to one replica
     by its session id (`X-SMG-Routing-Key`)."""
@@ -215,7 +243,7 @@ class SGLangPolicy:
             },
             "return_logprob": True,
         }
-        headers = {ROUTING_HEADER: session_id[:128]} if session_id else {}
+        headers = {ROUTING_HEADER: routing_key(session_id)} if session_id else {}
         try:
             response = await self._http.post("/generate", json=body, headers=headers)
         except httpx.HTTPError as err:
@@ -229,11 +257,16 @@ class SGLangPolicy:
         output_ids = [int(entry[1]) for entry in entries]
         if payload.get("output_ids") is not None and list(payload["output_ids"]) != output_ids:
             raise PolicyError("SGLang's output_ids and output_token_logprobs disagree")
-        finish = (meta.get("finish_reason") or {}).get("type", "abort")
+        finish_info = meta.get("finish_reason") or {}
+        finish = finish_info.get("type")
         reason: FinishReason = finish if finish in ("stop", "length") else "abort"
+        abort_message = None
+        if reason == "abort":
+            abort_message = str(finish_info.get("message") or f"finish_reason {finish_info!r}")
         return Generation(
             output_ids=output_ids,
             logprobs=[float(e[0]) for e in entries],
             finish_reason=reason,
             model_s=time.perf_counter() - started,
+            abort_message=abort_message,
         )

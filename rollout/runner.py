@@ -4,7 +4,9 @@ Per trajectory: a sandbox (the harness's episode), a deadline, context and gener
 budgets per turn, and optionally the teacher's log-probs of every turn's span, requested
 as soon as the turn is sampled so scoring overlaps the next turn's generation (per_turn),
 or once the trajectory has ended (after: e.g. a critic hint that needs the whole run).
-Nothing is dropped: a trajectory that fails is recorded with the failure's status.
+Nothing is dropped: a trajectory that fails is recorded with the failure's status. An
+engine abort (finish_reason 'abort': slime ending a rollout step with SGLang's
+/abort_request) ends the trajectory aborted; the unfinished turn is counted, not recorded.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rollout.chat import ChatRenderer, Message, TrajectoryBuilder
 from rollout.harness.base import Episode, Harness
 from rollout.masking import MaskStats
-from rollout.policy import Policy, PolicyError, SamplingParams
+from rollout.policy import GenerationAborted, Policy, PolicyError, SamplingParams
 from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Turn, write_jsonl
 from sandbox import SandboxError
 from teacher_server.api import ScoreItem, TrajectoryScoreRequest, TrajectoryTurn
 from teacher_server.client import TeacherClient, TeacherError
+
+ENGINE_ABORT_REASON = "engine abort"
+"""The status reason of a trajectory whose generation the engine aborted (slime's end of a
+rollout step); metadata["engine_abort"] says what the engine said and how many tokens of
+the unfinished turn were dropped."""
 
 TeacherContext = Callable[[Task, list[int], Sequence[Turn]], list[int]]
 """Maps turn k's context ids to the teacher's (a hint or reminders inserted; identity for
@@ -84,6 +91,8 @@ def _status_for(error: BaseException) -> tuple[TrajectoryStatus, str]:
         return TrajectoryStatus.SANDBOX_ERROR, f"{type(error).__name__}: {error}"
     if isinstance(error, TeacherError):
         return TrajectoryStatus.TEACHER_ERROR, f"{type(error).__name__}: {error}"
+    if isinstance(error, GenerationAborted):
+        return TrajectoryStatus.ABORTED, ENGINE_ABORT_REASON
     if isinstance(error, PolicyError):
         return TrajectoryStatus.ABORTED, f"policy: {error}"
     return TrajectoryStatus.ABORTED, f"unexpected {type(error).__name__}: {error}"
@@ -188,6 +197,7 @@ class Runner:
         episodes: list[Episode] = []
         views: list[TeacherContext] = [self.teacher_context]  # the last one scored the turns
         status, reason, reward = TrajectoryStatus.TRUNCATED, "max turns", None
+        metadata: dict[str, Any] = {}
         started = time.monotonic()
         try:
             status, reason, reward = await asyncio.wait_for(
@@ -197,13 +207,18 @@ class Runner:
         except (asyncio.TimeoutError, SandboxError, TeacherError, PolicyError) as error:
             status, reason = _status_for(error)
             reward = None
+            if isinstance(error, GenerationAborted):
+                metadata["engine_abort"] = {
+                    "message": error.engine_message,
+                    "turn": len(builder.turns),
+                    "dropped_tokens": error.partial_tokens,
+                }
         finally:
             for pending in scoring:
                 pending.cancel()
             await asyncio.gather(*scoring, return_exceptions=True)
             for episode in episodes:
                 await episode.close()
-        metadata: dict[str, Any] = {}
         if episodes and (details := episodes[0].details()) is not None:
             metadata["episode"] = details
         if self.teacher is not None and (record := teacher_context_record(views[-1], task)):
@@ -283,6 +298,10 @@ class Runner:
                 return TrajectoryStatus.TRUNCATED, "context budget"
             params = self.sampling.model_copy(update={"max_new_tokens": budget})
             generation = await self.policy.generate(context, params, builder.trajectory_id)
+            if generation.finish_reason == "abort":  # a partial span is not a turn
+                raise GenerationAborted(
+                    generation.abort_message or "abort", len(generation.output_ids)
+                )
             if not generation.output_ids:
                 raise PolicyError(f"empty generation ({generation.finish_reason})")
             recorded = builder.record_turn(

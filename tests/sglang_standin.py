@@ -1,44 +1,219 @@
-"""A stand-in for SGLang's /generate scoring API, for tests where SGLang cannot run (it
-needs a CUDA torch). It mirrors SGLang 0.5's documented behaviour for prompt scoring:
-`meta_info.input_token_logprobs` has one [logprob, token_id, null] triple per id from
-logprob_start_len on with entry 0's logprob null; `input_top_logprobs` has null at entry
-0 and k triples elsewhere; prompt log-probs are NOT temperature-scaled; `cached_tokens`
-counts a prefix reused from earlier requests, at most logprob_start_len; ids are not
-range-checked; logprob_start_len past the input is a 400 with an "error" object.
+"""A stand-in for SGLang's HTTP API, for tests where SGLang cannot run (it needs a CUDA
+torch). It restates SGLang 0.5.23 (python/sglang/srt/entrypoints/http_server.py,
+entrypoints/v1_loads.py, managers/tokenizer_manager.py, managers/scheduler.py,
+managers/schedule_batch.py; earlier 0.5 releases answer the same shapes):
+
+- POST /generate, prompt scoring (`max_new_tokens: 0`): `meta_info.input_token_logprobs`
+  has one [logprob, token_id, null] triple per id from logprob_start_len on with entry 0's
+  logprob null; `input_top_logprobs` has null at entry 0 and k triples elsewhere; prompt
+  log-probs are NOT temperature-scaled; `cached_tokens` counts a prefix reused from earlier
+  requests, at most logprob_start_len; ids are not range-checked; logprob_start_len past
+  the input is a 400 with an "error" object.
+- POST /generate, generation: `output_ids`, and `meta_info.output_token_logprobs` (the
+  temperature-scaled log-probs, as SGLang's sampler returns them) only with
+  `return_logprob`; `meta_info.id` is the request's `rid` (a fresh uuid hex when absent).
+  Requests decode interleaved, one token each in turn (a running batch), with
+  `token_delay_s` between a request's tokens; with `max_running_requests` the rest wait
+  in a queue.
+- POST /abort_request {"abort_all": true} or {"rid": ...}: answers 200 with no body. A
+  running request still runs one more decode step (the scheduler sets `to_finish`, which
+  the step's finish check reads first), keeps its token, and answers 200 with
+  finish_reason {"type": "abort", "message": "Aborted", "status_code": null, "err_type":
+  null} and every token produced; a waiting one answers 200 with {"type": "abort",
+  "message": "Abort in waiting queue"} and no tokens (earlier releases: "Abort before
+  prefill", without output_ids). A rid the server does not know is ignored; a known one
+  aborts every request whose rid starts with it (the scheduler's prefix match).
+- GET /v1/loads (the `core` section slime's abort loop polls), /health and
+  /health_generate (200, no body), /model_info and /server_info with their deprecated
+  /get_* aliases (what the SGLang router reads when it registers a worker: a subset of
+  the fields), /v1/models (ModelList).
+
+Test-only: GET /standin/headers (the headers of each /generate), and `app.state.standin`
+(a `StandinState`: what runs and waits now, for tests in the same process).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from rollout.chat import common_prefix_len
 
+SGLANG_VERSION = "0.5.23"
+"""The release whose HTTP API this file restates."""
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+"""FINISH_ABORT().to_json(): a running request ended by /abort_request."""
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+"""TokenizerManager._handle_abort_req: a queued request ended before it started."""
 
-def create_standin(model: Any, context_length: int, misalign: bool = False) -> FastAPI:
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    output_ids: list[int] = field(default_factory=list)
+    to_abort: bool = False
+
+
+@dataclass
+class StandinState:
+    """The stand-in's scheduler: running and waiting /generate requests, by rid."""
+
+    max_running_requests: int | None = None
+    running: dict[str, GenerateRequest] = field(default_factory=dict)
+    waiting: dict[str, GenerateRequest] = field(default_factory=dict)
+    received_headers: list[dict[str, str]] = field(default_factory=list)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def tokens_so_far(self) -> dict[str, int]:
+        """Tokens each running request has produced (read from another thread)."""
+        return {rid: len(request.output_ids) for rid, request in list(self.running.items())}
+
+    async def admit(self, request: GenerateRequest) -> bool:
+        """Wait for a running slot; False when the request was aborted while it waited."""
+        async with self.changed:
+            self.waiting[request.rid] = request
+            await self.changed.wait_for(lambda: request.to_abort or self._has_slot())
+            del self.waiting[request.rid]
+            if request.to_abort:
+                return False
+            self.running[request.rid] = request
+            return True
+
+    async def finish(self, request: GenerateRequest) -> None:
+        async with self.changed:
+            self.running.pop(request.rid, None)
+            self.changed.notify_all()
+
+    async def abort(self, rid: str, abort_all: bool) -> None:
+        known = rid in self.running or rid in self.waiting
+        if not abort_all and not (rid and known):
+            return  # TokenizerManager.abort_request: an unknown rid is a no-op
+        async with self.changed:
+            for request in [*self.running.values(), *self.waiting.values()]:
+                if abort_all or request.rid.startswith(rid):
+                    request.to_abort = True
+            self.changed.notify_all()
+
+    def _has_slot(self) -> bool:
+        limit = self.max_running_requests
+        return limit is None or len(self.running) < limit
+
+
+def create_standin(
+    model: Any,
+    context_length: int,
+    misalign: bool = False,
+    *,
+    model_path: str = "standin",
+    token_delay_s: float = 0.0,
+    max_running_requests: int | None = None,
+) -> FastAPI:
     app = FastAPI()
+    state = StandinState(max_running_requests=max_running_requests)
+    app.state.standin = state
     seen: list[list[int]] = []
-    received_headers: list[dict[str, str]] = []
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "model_path": model_path,
+            "served_model_name": model_path,
+            "tokenizer_path": model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "model_path": model_path,
+            "tokenizer_path": model_path,
+            "served_model_name": model_path,
+            "context_length": context_length,
+            "tp_size": 1,
+            "dp_size": 1,
+            "max_running_requests": max_running_requests,
+            "internal_states": [{}],
+            "version": SGLANG_VERSION,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "standin", "max_model_len": context_length}]}
+        card = {
+            "id": model_path,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": model_path,
+            "parent": None,
+            "max_model_len": context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/loads")
+    async def loads(include: str | None = None) -> dict[str, Any]:
+        core = {
+            "dp_rank": 0,
+            "num_running_reqs": len(state.running),
+            "num_waiting_reqs": len(state.waiting),
+            "num_used_tokens": 0,
+            "num_total_tokens": 0,
+            "max_total_num_tokens": context_length,
+            "max_running_requests": max_running_requests or 0,
+            "token_usage": 0.0,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": 0.0,
+        }
+        return {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": SGLANG_VERSION,
+            "accelerator": None,
+            "num_accelerators": 1,
+            "loads": [core],
+        }
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await request.json()
+        await state.abort(body.get("rid") or "", bool(body.get("abort_all", False)))
+        return Response(status_code=200)
 
     @app.get("/standin/headers")
     async def headers() -> list[dict[str, str]]:
-        return received_headers
+        return state.received_headers
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         body = await request.json()
-        received_headers.append(dict(request.headers))
+        state.received_headers.append(dict(request.headers))
         ids: list[int] = body["input_ids"]
         params = body.get("sampling_params", {})
         if params.get("max_new_tokens", 16) > 0:
-            return _generate(model, ids, params)
+            running = GenerateRequest(rid=body.get("rid") or uuid.uuid4().hex)
+            return_logprob = bool(body.get("return_logprob", False))
+            if not await state.admit(running):
+                return _aborted_while_waiting(running.rid, return_logprob)
+            try:
+                return await _generate(model, ids, params, running, return_logprob, token_delay_s)
+            finally:
+                await state.finish(running)
         start: int = body.get("logprob_start_len", -1)
         top_k: int = body.get("top_logprobs_num", 0) or 0
         if start > len(ids):
@@ -82,34 +257,60 @@ def create_standin(model: Any, context_length: int, misalign: bool = False) -> F
     return app
 
 
-def _generate(model: Any, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
-    """Greedy (temperature 0) or sampled generation; output log-probs are
-    temperature-scaled, as SGLang's sampler returns them."""
+async def _generate(
+    model: Any,
+    ids: list[int],
+    params: dict[str, Any],
+    running: GenerateRequest,
+    return_logprob: bool,
+    token_delay_s: float,
+) -> dict[str, Any]:
+    """Greedy (temperature 0) or sampled generation, one token per turn of the event loop
+    so that other requests and /abort_request run in between."""
     temperature = params.get("temperature", 1.0)
     stop = set(params.get("stop_token_ids") or []) | {model.config.eos_token_id}
-    output, entries = [], []
+    output, entries = running.output_ids, []
     finish: dict[str, Any] = {"type": "length", "length": params["max_new_tokens"]}
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _ in range(params["max_new_tokens"]):
+    for step in range(params["max_new_tokens"]):
+        if step:
+            await asyncio.sleep(token_delay_s)  # between tokens: an abort may land here
+        with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids + output])).logits[0, -1].float()
-            scaled = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-            token = (
-                int(scaled.argmax())
-                if temperature == 0
-                else int(torch.multinomial(scaled.exp(), 1, generator=generator))
-            )
-            output.append(token)
-            entries.append([float(scaled[token]), token, None])
-            if token in stop:
-                finish = {"type": "stop", "matched": token}
-                break
-    meta = {
-        "id": "standin",
+        scaled = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        token = (
+            int(scaled.argmax())
+            if temperature == 0
+            else int(torch.multinomial(scaled.exp(), 1, generator=generator))
+        )
+        output.append(token)
+        entries.append([float(scaled[token]), token, None])
+        if running.to_abort:  # checked before stop and length, as Req.update_finish_state
+            finish = dict(ABORTED)
+            break
+        if token in stop:
+            finish = {"type": "stop", "matched": token}
+            break
+    meta: dict[str, Any] = {
+        "id": running.rid,
         "finish_reason": finish,
         "prompt_tokens": len(ids),
         "completion_tokens": len(output),
         "cached_tokens": 0,
-        "output_token_logprobs": entries,
     }
-    return {"text": "", "output_ids": output, "meta_info": meta}
+    if return_logprob:
+        meta["output_token_logprobs"] = entries
+    return {"text": "", "output_ids": list(output), "meta_info": meta}
+
+
+def _aborted_while_waiting(rid: str, return_logprob: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": dict(ABORTED_WAITING),
+        "weight_version": "default",
+        "completion_tokens": 0,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = []
+    return {"text": "", "output_ids": [], "meta_info": meta}

@@ -10,7 +10,14 @@ import httpx
 import pytest
 import torch
 
-from rollout.policy import ROUTING_HEADER, HFPolicy, SamplingParams, SGLangPolicy
+from rollout.policy import (
+    MAX_ROUTING_KEY_LEN,
+    ROUTING_HEADER,
+    HFPolicy,
+    SamplingParams,
+    SGLangPolicy,
+    routing_key,
+)
 from slime_ext.local.factory import build_model
 from tests.live_server import serve_in_thread
 from tests.sglang_standin import create_standin
@@ -128,3 +135,82 @@ def test_sglang_policy_against_the_standin(standin: str, model: Any) -> None:
     )
     headers = httpx.get(f"{standin}/standin/headers").json()
     assert headers[-1][ROUTING_HEADER.lower()] == "traj-3"
+
+
+def test_routing_keys_stay_ascii_bounded_and_distinct() -> None:
+    assert routing_key("traj-3#0") == "traj-3#0"
+    long_ids = ["t" * 200 + "#0", "t" * 200 + "#1"]  # equal in their first 128 characters
+    keys = [routing_key(session) for session in [*long_ids, "tâche#0", "a\nb"]]
+    assert all(key.isascii() and key.isprintable() for key in keys)
+    assert all(len(key) <= MAX_ROUTING_KEY_LEN for key in keys)
+    assert len(set(keys)) == len(keys)
+
+
+def test_a_non_ascii_session_id_is_sent_as_its_routing_key(standin: str) -> None:
+    async def run() -> Any:
+        policy = SGLangPolicy(standin)
+        try:
+            return await policy.generate(PROMPT, SamplingParams(max_new_tokens=2), "tâche#0")
+        finally:
+            await policy.close()
+
+    assert asyncio.run(run()).output_ids
+    headers = httpx.get(f"{standin}/standin/headers").json()
+    assert headers[-1][ROUTING_HEADER.lower()] == routing_key("tâche#0")
+
+
+ABORTED_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+@pytest.mark.parametrize(
+    ("payload", "output_ids", "message"),
+    [
+        (  # 0.5.23, a running request: the tokens so far
+            {
+                "output_ids": [7, 9],
+                "meta_info": {
+                    "finish_reason": ABORTED_RUNNING,
+                    "output_token_logprobs": [[-0.5, 7, None], [-1.5, 9, None]],
+                },
+            },
+            [7, 9],
+            "Aborted",
+        ),
+        (  # 0.5.23, a queued request
+            {
+                "output_ids": [],
+                "meta_info": {
+                    "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "output_token_logprobs": [],
+                },
+            },
+            [],
+            "Abort in waiting queue",
+        ),
+        (  # earlier releases, a queued request: neither output_ids nor log-probs
+            {
+                "text": "",
+                "meta_info": {
+                    "finish_reason": {"type": "abort", "message": "Abort before prefill"}
+                },
+            },
+            [],
+            "Abort before prefill",
+        ),
+        ({"output_ids": [], "meta_info": {"finish_reason": None}}, [], "finish_reason {}"),
+    ],
+)
+def test_sglang_policy_maps_each_abort_shape(
+    payload: dict[str, Any], output_ids: list[int], message: str
+) -> None:
+    async def run() -> Any:
+        answer = httpx.MockTransport(lambda request: httpx.Response(200, json=payload))
+        policy = SGLangPolicy("http://sglang", transport=answer)
+        try:
+            return await policy.generate(PROMPT, SamplingParams(max_new_tokens=4), "traj-1")
+        finally:
+            await policy.close()
+
+    generation = asyncio.run(run())
+    assert generation.finish_reason == "abort" and generation.abort_message == message
+    assert generation.output_ids == output_ids and len(generation.logprobs) == len(output_ids)
