@@ -9,7 +9,6 @@ defaults here unless the recipe computes student log-probs under the same trunca
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 import time
 from typing import Any, Literal, Protocol
@@ -17,8 +16,8 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-ROUTING_HEADER = "X-SMG-Routing-Key"
-MAX_ROUTING_KEY_LEN = 128
+from teacher_server.api import ROUTING_HEADER, routing_key
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -192,16 +191,6 @@ class HFPolicy:
             sampling[order[drop]] = float("-inf")
         token = int(torch.multinomial(torch.softmax(sampling, -1), 1, generator=self.generator))
         return token, float(logprobs[token])
-
-
-def routing_key(session_id: str) -> str:
-    """The `X-SMG-Routing-Key` value of a session: the id itself when it is printable ASCII
-    of at most MAX_ROUTING_KEY_LEN characters (httpx sends header values as ASCII), else
-    its SHA-256, so that distinct sessions keep distinct keys."""
-    fits = len(session_id) <= MAX_ROUTING_KEY_LEN
-    if fits and session_id.isascii() and session_id.isprintable():
-        return session_id
-    return hashlib.sha256(session_id.encode()).hexdigest()
 
 
 class SGLangPolicy:

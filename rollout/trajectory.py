@@ -97,7 +97,8 @@ class Turn(BaseModel):
     contain the sampled action ids (invariant 1)."""
     drift_reason: str | None = None
     finish_reason: str | None = None
-    """Why generation stopped: 'stop', 'length', 'abort'."""
+    """Why generation stopped: 'stop' or 'length' (an engine abort ends the trajectory and
+    is never recorded as a turn)."""
     timings: TurnTimings = Field(default_factory=TurnTimings)
 
     @property

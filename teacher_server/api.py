@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
+ROUTING_HEADER = "X-SMG-Routing-Key"
+"""The SGLang router's session header: one trajectory's requests to one engine (under the
+router's manual and consistent_hashing policies)."""
+MAX_ROUTING_KEY_LEN = 128
+
+
+def routing_key(session_id: str) -> str:
+    """The `X-SMG-Routing-Key` value of a session: the id itself when it is printable ASCII
+    of at most MAX_ROUTING_KEY_LEN characters (httpx sends header values as ASCII), else
+    its SHA-256, so that distinct sessions keep distinct keys."""
+    fits = len(session_id) <= MAX_ROUTING_KEY_LEN
+    if fits and session_id.isascii() and session_id.isprintable():
+        return session_id
+    return hashlib.sha256(session_id.encode()).hexdigest()
 
 
 class ScoreItem(BaseModel):

@@ -19,17 +19,16 @@ from typing import Any
 import httpx
 
 from teacher_server.api import (
+    ROUTING_HEADER,
     ReloadResult,
     ScoreItem,
     ScoreResult,
     ServerInfo,
     TrajectoryScoreRequest,
+    routing_key,
 )
 from teacher_server.backend import BackendFailure, BadScoreRequest, Overloaded, check_items
 from teacher_server.metrics import ServerMetrics
-
-ROUTING_HEADER = "X-SMG-Routing-Key"
-MAX_ROUTING_KEY_BYTES = 128
 
 
 class SGLangBackend:
@@ -147,9 +146,7 @@ class SGLangBackend:
             body["top_logprobs_num"] = item.top_k
         headers = {}
         if item.session_id:
-            headers[ROUTING_HEADER] = item.session_id.encode()[:MAX_ROUTING_KEY_BYTES].decode(
-                errors="ignore"
-            )
+            headers[ROUTING_HEADER] = routing_key(item.session_id)
         async with self._semaphore:
             try:
                 response = await self._client.post("/generate", json=body, headers=headers)

@@ -24,9 +24,11 @@ case "$source_spec" in
         tar -xzf "$source_spec" -C "$venv/src/slime" --strip-components=1 || exit 0
         target="$venv/src/slime"
         ;;
+    git+*) target="$source_spec#egg=slime" ;;
     *) target=$source_spec ;;
 esac
-if ! "${pip[@]}" --no-deps "$target"; then
+# editable: slime's tools/ (the checkpoint converters) stay beside the package
+if ! "${pip[@]}" --no-deps --editable "$target"; then
     echo "slime: could not install from $source_spec; the real-slime tests will skip" \
         "(set SLIME_SOURCE to a slime .tar.gz, checkout or git URL)" >&2
     exit 0

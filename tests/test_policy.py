@@ -10,15 +10,9 @@ import httpx
 import pytest
 import torch
 
-from rollout.policy import (
-    MAX_ROUTING_KEY_LEN,
-    ROUTING_HEADER,
-    HFPolicy,
-    SamplingParams,
-    SGLangPolicy,
-    routing_key,
-)
+from rollout.policy import HFPolicy, SamplingParams, SGLangPolicy
 from slime_ext.local.factory import build_model
+from teacher_server.api import MAX_ROUTING_KEY_LEN, ROUTING_HEADER, routing_key
 from tests.live_server import serve_in_thread
 from tests.sglang_standin import create_standin
 

@@ -16,12 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime_ext.local.factory import build_checkpoint
-from teacher_server.api import ScoreItem
+from teacher_server.api import ROUTING_HEADER, ScoreItem, routing_key
 from teacher_server.app import create_app
 from teacher_server.backend import tokenizer_identity
 from teacher_server.client import TeacherClient, TeacherError
 from teacher_server.metrics import ServerMetrics
-from teacher_server.sglang_backend import ROUTING_HEADER, SGLangBackend
+from teacher_server.sglang_backend import SGLangBackend
 from tests.live_server import serve_in_thread
 from tests.sglang_standin import create_standin
 
@@ -100,6 +100,18 @@ def test_session_requests_carry_the_routing_key_and_report_cached_tokens(
     headers = httpx.get(f"{standin_url}/standin/headers").json()
     assert headers[-1][ROUTING_HEADER.lower()] == "traj-7"
     assert results[1].cached_tokens == 40  # the stand-in's radix cache: the shared prefix
+
+
+def test_a_non_ascii_session_reaches_sglang_as_its_routing_key(
+    teacher_url: str, standin_url: str
+) -> None:
+    """httpx sends header values as ASCII: a session id such as a task's own name used to
+    make the backend fail the whole request."""
+    item = ScoreItem(input_ids=IDS[:40], span_start=30, session_id="tâche-7#0")
+    [result] = _score(teacher_url, [item])
+    assert len(result.logprobs) == 10
+    headers = httpx.get(f"{standin_url}/standin/headers").json()
+    assert headers[-1][ROUTING_HEADER.lower()] == routing_key("tâche-7#0")
 
 
 def test_temperature_needs_top_k_and_is_exact_on_the_support(teacher_url: str, model: Any) -> None:
