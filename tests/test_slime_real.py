@@ -53,6 +53,13 @@ from tests.live_server import free_port  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 RECIPES = ("opd", "opsd", "oprd", "rl", "sft", "ssd")
+CASES = {
+    **{recipe: (recipe, []) for recipe in RECIPES},
+    # extra_train_args that `opd launch` lets through and that change what reaches the hooks
+    "opd --use-rollout-logprobs": ("opd", ["--use-rollout-logprobs"]),
+    "rl --disable-rewards-normalization": ("rl", ["--disable-rewards-normalization"]),
+}
+"""Each case: the recipe and the cluster.extra_train_args its job carries."""
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 1)]
 """(TP, CP, DP) of the gloo runs."""
 TEMPERATURE = 0.8
@@ -65,7 +72,7 @@ MAX_TOKENS_PER_GPU = 320
 ROLLOUTS = [(0, 0), (2, 0), (1, 1), ("aborted", 1), (0, 2), (1, 2)]
 
 
-def job_dict(recipe: str, tmp_path: Path) -> dict[str, Any]:
+def job_dict(recipe: str, tmp_path: Path, extra_args: list[str] | None = None) -> dict[str, Any]:
     """A cluster job of `recipe` whose plan `opd launch` accepts."""
     teacher: dict[str, Any] = {"kind": "remote", "url": "http://127.0.0.1:9"}
     algorithm: dict[str, Any] = {"recipe": recipe, "kl_coef": KL_COEF, "steps": 2}
@@ -100,6 +107,7 @@ def job_dict(recipe: str, tmp_path: Path) -> dict[str, Any]:
             "megatron_checkpoint": str(tmp_path / "torch_dist"),
             "save_dir": str(tmp_path / "save"),
             "tasks_file": str(tmp_path / "tasks.jsonl"),
+            "extra_train_args": extra_args or [],
         },
     }
 
@@ -157,8 +165,15 @@ def rollout_side(args: Any, steps: list[Any], dp_size: int) -> tuple[list[Any], 
     return samples, split_by_dp(manager, data), logged
 
 
-def recipe_args(recipe: str, directory: Path, tp: int, cp: int, vocab: int) -> Any:
-    job = config_from_dict(job_dict(recipe, directory))
+def recipe_args(
+    recipe: str,
+    directory: Path,
+    tp: int,
+    cp: int,
+    vocab: int,
+    extra_args: tuple[str, ...] | list[str] = (),
+) -> Any:
+    job = config_from_dict(job_dict(recipe, directory, list(extra_args)))
     return slime_args(job, directory, tp=tp, cp=cp, vocab=vocab)
 
 
@@ -166,11 +181,12 @@ def recipe_args(recipe: str, directory: Path, tp: int, cp: int, vocab: int) -> A
 
 
 def reference(
-    recipe: str, samples: list[Any], logits: list[torch.Tensor], step_rollouts: int
+    recipe: str, samples: list[Any], logits: list[torch.Tensor], args: Any
 ) -> tuple[float, dict[str, float], list[torch.Tensor]]:
     """The objective summed over the optimizer steps (each step: its rollouts' per-trajectory
     token means, divided by the rollouts per step), its per-step metric means summed, and
     d(objective)/d(each sample's logits), by plain torch on whole sequences."""
+    step_rollouts = args.global_batch_size
     leaves = [x.clone().requires_grad_(True) for x in logits]
     order: list[int] = []
     parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]] = {}
@@ -188,7 +204,7 @@ def reference(
         teacher = torch.tensor(sample.teacher_log_probs or [0.0] * response, dtype=torch.float64)
         mask = torch.tensor(sample.loss_mask, dtype=torch.float64)
         parts[rid].append((student, teacher, mask, sample))
-    advantages = group_advantages(samples)
+    advantages = group_advantages(samples, normalized=args.rewards_normalization)
     objective = torch.zeros((), dtype=torch.float64)
     value = 0.0
     metrics: dict[str, float] = defaultdict(float)
@@ -202,7 +218,21 @@ def reference(
             k = sum(((s - t) * m).sum() for s, t, m, _ in pieces).detach() / denom
             nll = sum((-s * m).sum() for s, _, m, _ in pieces) / denom
             surrogate = sum(((s - t).detach() * s * m).sum() for s, t, m, _ in pieces) / denom
-            if recipe in ("opd", "opsd"):
+            if recipe == "opd" and args.use_rollout_logprobs:  # PPO-clipped, vs the rollout's
+                clipped, k = torch.zeros((), dtype=torch.float64), torch.zeros(())
+                for s, t, m, sample in pieces:
+                    old = torch.tensor(sample.rollout_log_probs, dtype=torch.float64)
+                    ratio = torch.exp(s - old)
+                    low, high = 1 - args.eps_clip, 1 + (args.eps_clip_high or args.eps_clip)
+                    per_token = torch.maximum(
+                        -(t - old) * ratio, -(t - old) * ratio.clamp(low, high)
+                    )
+                    clipped = clipped + (per_token * m).sum() / denom
+                    k = k + float(((old - t) * m).sum()) / denom
+                objective = objective + KL_COEF * clipped / step_rollouts
+                value += KL_COEF * float(clipped) / step_rollouts
+                metrics["opd_reverse_kl"] += float(k) / step_rollouts
+            elif recipe in ("opd", "opsd"):
                 objective = objective + KL_COEF * surrogate / step_rollouts
                 value += KL_COEF * float(k) / step_rollouts
                 metrics["opd_reverse_kl"] += float(k) / step_rollouts
@@ -226,8 +256,9 @@ def reference(
     return value, dict(metrics), grads
 
 
-def group_advantages(samples: list[Any]) -> dict[int, float]:
-    """GRPO: each live trajectory's reward normalized within its prompt group (unbiased std)."""
+def group_advantages(samples: list[Any], normalized: bool = True) -> dict[int, float]:
+    """GRPO: each live trajectory's reward normalized within its prompt group (unbiased std);
+    its raw reward when normalization is off."""
     rewards: dict[int, tuple[int, float]] = {}
     for sample in samples:
         if not sample.remove_sample:
@@ -237,6 +268,9 @@ def group_advantages(samples: list[Any]) -> dict[int, float]:
         by_group[group].append(reward)
     out = {}
     for rid, (group, reward) in rewards.items():
+        if not normalized:
+            out[rid] = reward
+            continue
         values = torch.tensor(by_group[group], dtype=torch.float64)
         std = float(values.std()) if len(values) > 1 else 0.0
         out[rid] = (reward - float(values.mean())) / (std + 1e-6)
@@ -389,17 +423,17 @@ def _cases(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     tp, cp, dp = layout
     cases, expected = {}, {}
-    for recipe in RECIPES:
-        directory = tmp_path / recipe
+    for index, (case, (recipe, extra_args)) in enumerate(CASES.items()):
+        directory = tmp_path / f"case{index}"
         directory.mkdir()
-        args = recipe_args(recipe, directory, tp, cp, vocab)
+        args = recipe_args(recipe, directory, tp, cp, vocab, extra_args)
         steps = rollout_groups(recipe, args, directory, trajectories)
         samples, boxes, logged = rollout_side(args, steps, dp)
-        generator = torch.Generator().manual_seed(len(recipe))
+        generator = torch.Generator().manual_seed(index)
         logits = [torch.randn(len(s.tokens), vocab, generator=generator) * 2 for s in samples]
-        value, metrics, grads = reference(recipe, samples, logits, args.global_batch_size)
-        cases[recipe] = {"args": args, "boxes": boxes, "logits": logits, "grads": grads}
-        expected[recipe] = {"loss": value, "metrics": metrics, "rollout_log": logged}
+        value, metrics, grads = reference(recipe, samples, logits, args)
+        cases[case] = {"args": args, "boxes": boxes, "logits": logits, "grads": grads}
+        expected[case] = {"loss": value, "metrics": metrics, "rollout_log": logged}
     return cases, expected
 
 
@@ -418,20 +452,20 @@ def test_every_recipe_through_slimes_own_data_path_equals_the_reference(
         start_method="spawn",
     )  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for recipe in RECIPES:
-        want = expected[recipe]
-        results = [r[recipe] for r in ranks]
-        assert sum(r["samples"] for r in results) == len(cases[recipe]["logits"]) * tp * cp
+    for case, (recipe, _) in CASES.items():
+        want = expected[case]
+        results = [r[case] for r in ranks]
+        assert sum(r["samples"] for r in results) == len(cases[case]["logits"]) * tp * cp
         for tp_rank in range(tp):
             mine = [r for r in results if r["tp_rank"] == tp_rank]
             loss = sum(r["loss"] for r in mine)
-            assert loss == pytest.approx(want["loss"], abs=ATOL), (recipe, layout)
+            assert loss == pytest.approx(want["loss"], abs=ATOL), (case, layout)
         for r in results:
-            assert r["grad_max_error"] < ATOL, (recipe, layout, r["grad_max_error"])
+            assert r["grad_max_error"] < ATOL, (case, layout, r["grad_max_error"])
             for key, value in want["metrics"].items():  # what slime logs (train/...)
                 assert sum(step[key] for step in r["logged"]) == pytest.approx(value, abs=ATOL)
         if cp > 1 and recipe != "sft" and recipe != "ssd":  # the placeholder's one token
-            assert sum(r["empty_alone"] for r in results) >= tp, (recipe, layout)
+            assert sum(r["empty_alone"] for r in results) >= tp, (case, layout)
         log = want["rollout_log"]
         if recipe in ("sft", "ssd"):
             assert log["rollout/num_turns"] == pytest.approx((3 + 3 + 2) / 3)
