@@ -35,7 +35,7 @@ from docker.utils.build import exclude_paths
 
 from sandbox import DockerSandbox, DockerSandboxConfig
 from sandbox.docker import DEFAULT_IMAGE, OWNER_LABEL, reap
-from tests.docker_images import BASE_IMAGE, MIRROR, daemon_problem
+from tests.docker_images import BASE_IMAGE, MIRROR, _build_base, _has_image, daemon_problem
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -404,10 +404,8 @@ def swe_base_test_image() -> str:
             return tag
         except docker.errors.ImageNotFound:
             pass
-        try:
-            client.images.get(BASE_IMAGE)
-        except docker.errors.ImageNotFound:
-            pytest.skip(f"no {BASE_IMAGE} (tests/docker_images.py or docker/README.md builds it)")
+        if not _has_image(client, BASE_IMAGE):  # built once per host, as the TIR image's
+            _build_base(client)
         problem = mirror_problem()
         if problem is not None:
             pytest.skip(problem)
