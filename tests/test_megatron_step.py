@@ -1,0 +1,351 @@
+"""Real megatron-core training steps, driven by THUDM/slime's own train_one_step, on CPU.
+
+test_slime_real gives slime's loss path logits; here a real GPTModel produces them. The
+opd job's samples go through slime's RolloutManager and DP split (as test_slime_real), then
+on gloo ranks at TP x CP x DP:
+
+    MegatronTrainRayActor._get_rollout_data -> compute_log_prob (slime's forward_only with
+    the model) -> compute_advantages_and_returns -> get_data_iterator -> train_one_step
+    (Megatron's schedule, our custom loss, DDP, get_megatron_optimizer's Adam, the
+    OptimizerParamScheduler)
+
+three times. The parameters, gathered to full tensors, must equal a single-process
+reference: the same GPTModel at TP1 on each sample alone (Megatron's local attention, an
+explicit causal mask), test_slime_real's plain-torch objective (per-trajectory means of
+DESIGN.md invariant 7 over the step's rollouts) backpropagated, then Adam without momentum
+by hand: p -= lr * grad / (|grad| + eps). A loss scaled by 2 is the negative control.
+The CPU redirects are in tests/megatron_cpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests import slime_cpu
+from tests.slime_driver import require_slime
+
+require_slime()
+
+from tests.live_server import free_port  # noqa: E402
+from tests.test_slime_real import recipe_args, reference, rollout_groups, rollout_side  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+LAYOUTS = {
+    "tp2-dp2": (2, 1, 2, False),
+    "tp2-dp2-sp": (2, 1, 2, True),
+    "tp2-cp2": (2, 2, 1, False),
+    "tp1-cp2-dp2": (1, 2, 2, False),
+}
+"""(TP, CP, DP, sequence parallel) of the gloo runs."""
+STEPS = 3
+LR, ADAM_EPS = 50.0, 1e3
+"""Adam without momentum (betas 0) and an eps far above every gradient: the update
+lr * g / (|g| + eps) is about g / 20, so it shows the gradient's scale (the distributed
+optimizer takes only Adam; Adam's usual first steps, g / |g|, would hide a scale error)."""
+HIDDEN, HEADS, FFN, LAYERS = 32, 4, 64, 2
+ATOL = 1e-6
+RECIPE = "opd"
+MAX_TOKENS_PER_GPU = 640
+"""Two or three samples per micro-batch: at test_slime_real's 320 each sample fills one,
+and slime's DP schedule cannot split 15 one-sample micro-batches evenly over DP 2."""
+
+
+def model_config(tp: int, cp: int, sequence_parallel: bool) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+        tensor_model_parallel_size=tp, context_parallel_size=cp,
+        sequence_parallel=sequence_parallel, use_cpu_initialization=True,
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )  # fmt: skip
+
+
+def gpt_model(config: Any, vocab: int, packed: bool) -> Any:
+    from megatron.core.models.gpt import GPTModel
+
+    from tests.megatron_cpu import gpt_block_spec
+
+    return GPTModel(
+        config=config, transformer_layer_spec=gpt_block_spec(LAYERS, packed=packed),
+        vocab_size=vocab, max_sequence_length=1024, position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )  # fmt: skip
+
+
+def init_process(rank: int, world: int, port: int, tp: int, cp: int) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    slime_cpu.install()
+    from megatron.core import parallel_state as mpu
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=90),
+    )  # fmt: skip
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+
+
+def close_process() -> None:
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+# --- the single-process reference ------------------------------------------------------------
+
+
+def _reference_rank(rank: int, port: int, path: str) -> None:
+    from tests.megatron_cpu import cpu_redirects
+
+    init_process(rank, 1, port, 1, 1)
+    case = torch.load(f"{path}/reference_case.pt", weights_only=False)
+    args, samples = case["args"], case["samples"]
+    with cpu_redirects():
+        torch.manual_seed(0)
+        model = gpt_model(model_config(1, 1, False), args.padded_vocab_size, packed=False)
+        initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+        for _ in range(STEPS):
+            model.zero_grad()
+            logits = [sample_logits(model, s.tokens) for s in samples]
+            detached = [x.detach() for x in logits]
+            _, _, grads = reference(RECIPE, samples, detached, args)
+            torch.autograd.backward(logits, grads)
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param -= LR * param.grad / (param.grad.abs() + ADAM_EPS)
+    final = {k: v.detach().clone() for k, v in model.named_parameters()}
+    torch.save({"initial": initial, "final": final}, f"{path}/reference.pt")
+    close_process()
+
+
+def sample_logits(model: Any, tokens: list[int]) -> torch.Tensor:
+    """One whole sequence through the TP1 model, with an explicit causal mask (Megatron's
+    default one is made on device="cuda", transformer/utils.py:35)."""
+    length = len(tokens)
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    return model(
+        input_ids=torch.tensor([tokens]),
+        position_ids=torch.arange(length)[None],
+        attention_mask=causal[None, None],
+    )[0]
+
+
+# --- one gloo rank ---------------------------------------------------------------------------
+
+
+def doubled_loss(args: Any, batch: Any, logits: Any, sum_of_sample_mean: Any) -> Any:
+    """The negative control: our loss times 2."""
+    from slime_ext.slime.loss import loss
+
+    value, metrics = loss(args, batch, logits, sum_of_sample_mean)
+    return 2 * value, metrics
+
+
+def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], path: str) -> None:
+    import ray
+
+    from tests.megatron_cpu import cpu_redirects
+
+    tp, cp, _, _ = layout
+    init_process(rank, world, port, tp, cp)
+    # slime's Box holds the payload itself here, not an object ref
+    ray.get = lambda value, **kwargs: value  # type: ignore[assignment]
+    case = torch.load(f"{path}/case.pt", weights_only=False)
+    results = {}
+    with slime_cpu.cpu_accelerator(), cpu_redirects():
+        for name, run in case["runs"].items():
+            results[name] = _train(case, layout, **run)
+    torch.save(results, f"{path}/rank{rank}.pt")
+    close_process()
+
+
+def _train(
+    case: dict[str, Any], layout: tuple[int, int, int, bool], distributed: bool, loss_path: str
+) -> dict[str, Any]:
+    """STEPS rollouts of slime's actor on this rank's payload; the full final parameters."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from slime.backends.megatron_utils import model as slime_model
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+
+    tp, cp, _, sp = layout
+    args = case["args"]
+    args.custom_loss_function_path = loss_path
+    # Megatron-LM's parser owns these; Megatron's no-pipelining schedule does not read them
+    args.seq_length, args.decoder_seq_length = None, None
+    config = model_config(tp, cp, sp)
+    model = gpt_model(config, args.padded_vocab_size, packed=True)
+    load_full(model, case["initial"])
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=LR, min_lr=LR, weight_decay=0.0, adam_beta1=0.0,
+            adam_beta2=0.0, adam_eps=ADAM_EPS, clip_grad=0.0,
+            use_distributed_optimizer=distributed, params_dtype=torch.float32,
+        ),
+        [ddp],
+    )  # fmt: skip
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=1,
+        lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=1,
+        wd_incr_style="constant",
+    )  # fmt: skip
+    config.grad_scale_func = optimizer.scale_loss  # as slime's train() sets them
+    config.finalize_model_grads_func = slime_model.finalize_model_grads
+    actor = SimpleNamespace(args=args, model=[ddp])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slime_model, "get_args", lambda: args)
+        for rollout_id in range(STEPS):
+            # slime consumes the payload in place; Ray would hand each rollout its own copy
+            data = MegatronTrainRayActor._get_rollout_data(actor, copy.deepcopy(case["boxes"]))
+            iterator = get_data_iterator(data)
+            data.update(
+                MegatronTrainRayActor.compute_log_prob(actor, iterator, data["num_microbatches"])
+            )
+            compute_advantages_and_returns(args, data)
+            for chunk_iterator in iterator:  # slime's train() rewinds them before the steps
+                chunk_iterator.reset()
+            for step_id, (microbatches, step_size) in enumerate(
+                zip(data["num_microbatches"], data["global_batch_sizes"], strict=True)
+            ):
+                slime_model.train_one_step(
+                    args, rollout_id, step_id, iterator, [ddp], optimizer, scheduler,
+                    microbatches, step_size,
+                )  # fmt: skip
+    return {
+        "partition": data["partition"],
+        "tp_rank": mpu.get_tensor_model_parallel_rank(),
+        "final": full_state(model),
+    }
+
+
+def load_full(model: Any, full: dict[str, torch.Tensor]) -> None:
+    """Each parameter's TP shard of the full (TP1) tensor."""
+    from megatron.core import parallel_state as mpu
+
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = full[name]
+            if getattr(param, "tensor_model_parallel", False):
+                value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
+            param.copy_(value)
+
+
+def full_state(model: Any) -> dict[str, torch.Tensor]:
+    """The parameters gathered over TP to full tensors."""
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_tensor_model_parallel_group()
+    tp = mpu.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.detach().clone()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            pieces = [torch.empty_like(value) for _ in range(tp)]
+            dist.all_gather(pieces, value.contiguous(), group=group)
+            value = torch.cat(pieces, dim=param.partition_dim)
+        out[name] = value
+    return out
+
+
+# --- the tests -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trajectories(factory_tokenizer: Any) -> list[Any]:
+    from tests.test_slime_hooks import _scripted
+
+    return _scripted(factory_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference_run(
+    tmp_path_factory: pytest.TempPathFactory, trajectories: list[Any], factory_tokenizer: Any
+) -> dict[str, Any]:
+    """The samples of one rollout step and the reference's initial and final weights."""
+    path = tmp_path_factory.mktemp("reference")
+    args = recipe_args(RECIPE, path, 1, 1, len(factory_tokenizer))
+    samples, _, _ = rollout_side(args, [rollout_groups(RECIPE, args, path, trajectories)], 1)
+    torch.save({"args": args, "samples": samples}, path / "reference_case.pt")
+    mp.start_processes(
+        _reference_rank, args=(free_port(), str(path)), nprocs=1, join=True, start_method="spawn"
+    )
+    result = torch.load(path / "reference.pt", weights_only=False)
+    return {"samples": samples, **result}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_megatron_training_steps_equal_the_single_process_reference(
+    tmp_path: Path,
+    trajectories: list[Any],
+    factory_tokenizer: Any,
+    reference_run: dict[str, Any],
+    layout: tuple[int, int, int, bool],
+) -> None:
+    tp, cp, dp, _ = layout
+    args = recipe_args(RECIPE, tmp_path, tp, cp, len(factory_tokenizer))
+    args.max_tokens_per_gpu = MAX_TOKENS_PER_GPU
+    samples, boxes, _ = rollout_side(
+        args, [rollout_groups(RECIPE, args, tmp_path, trajectories)], dp
+    )
+    assert [s.tokens for s in samples] == [s.tokens for s in reference_run["samples"]]
+    runs = {
+        "plain": {"distributed": False, "loss_path": "slime_ext.slime.loss.loss"},
+        "distributed": {"distributed": True, "loss_path": "slime_ext.slime.loss.loss"},
+    }
+    if layout == LAYOUTS["tp2-dp2"]:
+        runs["doubled"] = {"distributed": False, "loss_path": f"{__name__}.doubled_loss"}
+    torch.save(
+        {"args": args, "boxes": boxes, "initial": reference_run["initial"], "runs": runs},
+        tmp_path / "case.pt",
+    )
+    world = tp * cp * dp
+    mp.start_processes(
+        _rank, args=(world, free_port(), layout, str(tmp_path)), nprocs=world, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    if dp > 1:  # one trajectory's turns train on two DP ranks, and weigh as in the reference
+        rollouts_by_rank = [
+            {samples[i].rollout_id for i in r["plain"]["partition"]}
+            for r in ranks
+            if r["plain"]["tp_rank"] == 0
+        ]
+        assert set.intersection(*rollouts_by_rank), rollouts_by_rank
+    initial, final = reference_run["initial"], reference_run["final"]
+    moved = max(float((final[k] - initial[k]).abs().max()) for k in final)
+    assert moved > 1e-3  # the steps change the weights
+    for name in runs:
+        errors = [
+            max(float((r[name]["final"][k] - final[k]).abs().max()) for k in r[name]["final"])
+            for r in ranks
+        ]
+        if name == "doubled":
+            assert min(errors) > 100 * ATOL, errors
+        else:
+            assert max(errors) < ATOL, (name, errors)
