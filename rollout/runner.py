@@ -4,7 +4,9 @@ Per trajectory: a sandbox (the harness's episode), a deadline, context and gener
 budgets per turn, and optionally the teacher's log-probs of every turn's span, requested
 as soon as the turn is sampled so scoring overlaps the next turn's generation (per_turn),
 or once the trajectory has ended (after: e.g. a critic hint that needs the whole run).
-Nothing is dropped: a trajectory that fails is recorded with the failure's status. An
+Nothing is dropped: a trajectory that fails, whatever it raised, is recorded with the
+failure's status (only a cancellation of the rollout itself propagates); an episode whose
+close() failed keeps its status and says so in metadata["close_error"]. An
 engine abort (finish_reason 'abort': slime ending a rollout step with SGLang's
 /abort_request) ends the trajectory aborted; the unfinished turn is counted, not recorded.
 """
@@ -12,6 +14,7 @@ engine abort (finish_reason 'abort': slime ending a rollout step with SGLang's
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -29,6 +32,8 @@ from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Tur
 from sandbox import SandboxError
 from teacher_server.api import ScoreItem, TrajectoryScoreRequest, TrajectoryTurn
 from teacher_server.client import TeacherClient, TeacherError
+
+logger = logging.getLogger(__name__)
 
 ENGINE_ABORT_REASON = "engine abort"
 """The status reason of a trajectory whose generation the engine aborted (slime's end of a
@@ -84,18 +89,47 @@ class RunnerConfig(BaseModel):
     teacher_top_k: int = Field(default=0, ge=0)
 
 
+def _ends_trajectory(error: BaseException) -> bool:
+    """Whether `error` ends one trajectory rather than the whole rollout: any Exception, and
+    a CancelledError this task was not asked for (a callee awaited a future someone else
+    cancelled). A cancellation of the rollout itself, KeyboardInterrupt and SystemExit
+    propagate."""
+    if isinstance(error, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is not None and task.cancelling() == 0
+    return isinstance(error, Exception)
+
+
+def _error_text(error: BaseException) -> str:
+    message = str(error)[:500]
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _log_if_unexpected(trajectory_id: str, during: str, error: BaseException) -> None:
+    """A traceback for errors outside the families a harness, sandbox, policy or teacher
+    is meant to raise: they are bugs (or hostile input) someone has to read."""
+    if not isinstance(error, (asyncio.TimeoutError, SandboxError, TeacherError, PolicyError)):
+        logger.error(
+            "trajectory %s: %s raised %s",
+            trajectory_id,
+            during,
+            type(error).__name__,
+            exc_info=error,
+        )
+
+
 def _status_for(error: BaseException) -> tuple[TrajectoryStatus, str]:
     if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
         return TrajectoryStatus.ABORTED, "trajectory deadline"
     if isinstance(error, SandboxError):
-        return TrajectoryStatus.SANDBOX_ERROR, f"{type(error).__name__}: {error}"
+        return TrajectoryStatus.SANDBOX_ERROR, _error_text(error)
     if isinstance(error, TeacherError):
-        return TrajectoryStatus.TEACHER_ERROR, f"{type(error).__name__}: {error}"
+        return TrajectoryStatus.TEACHER_ERROR, _error_text(error)
     if isinstance(error, GenerationAborted):
         return TrajectoryStatus.ABORTED, ENGINE_ABORT_REASON
     if isinstance(error, PolicyError):
         return TrajectoryStatus.ABORTED, f"policy: {error}"
-    return TrajectoryStatus.ABORTED, f"unexpected {type(error).__name__}: {error}"
+    return TrajectoryStatus.ABORTED, f"unexpected {_error_text(error)}"
 
 
 class Runner:
@@ -189,37 +223,51 @@ class Runner:
             )
 
     async def run_one(self, task: Task, sample_index: int = 0) -> Trajectory:
+        """One trajectory, ended with a status and a reason whatever its harness, sandbox,
+        policy or teacher raise (DESIGN.md invariant 5); only a cancellation of the rollout
+        itself (and KeyboardInterrupt, SystemExit) propagates, after the episode is closed."""
         trajectory_id = f"{task.task_id}#{sample_index}"
-        builder = TrajectoryBuilder(
-            self.renderer, task, self.harness.initial_messages(task), trajectory_id, sample_index
-        )
+        started = time.monotonic()
+        failure: BaseException | None = None
+        try:
+            messages = self.harness.initial_messages(task)
+        except Exception as error:  # recorded with the task's prompt as its only message
+            messages, failure = [{"role": "user", "content": task.prompt}], error
+        builder = TrajectoryBuilder(self.renderer, task, messages, trajectory_id, sample_index)
         scoring: list[asyncio.Task[None]] = []
         episodes: list[Episode] = []
         views: list[TeacherContext] = [self.teacher_context]  # the last one scored the turns
         status, reason, reward = TrajectoryStatus.TRUNCATED, "max turns", None
         metadata: dict[str, Any] = {}
-        started = time.monotonic()
         try:
-            status, reason, reward = await asyncio.wait_for(
-                self._episode(task, builder, episodes, scoring, views),
-                self.config.trajectory_timeout_s,
-            )
-        except (asyncio.TimeoutError, SandboxError, TeacherError, PolicyError) as error:
-            status, reason = _status_for(error)
-            reward = None
-            if isinstance(error, GenerationAborted):
-                metadata["engine_abort"] = {
-                    "message": error.engine_message,
-                    "turn": len(builder.turns),
-                    "dropped_tokens": error.partial_tokens,
-                }
+            if failure is None:
+                status, reason, reward = await asyncio.wait_for(
+                    self._episode(task, builder, episodes, scoring, views),
+                    self.config.trajectory_timeout_s,
+                )
+        except BaseException as error:
+            if not _ends_trajectory(error):
+                raise
+            failure = error
         finally:
             for pending in scoring:
                 pending.cancel()
             await asyncio.gather(*scoring, return_exceptions=True)
             for episode in episodes:
-                await episode.close()
-        if episodes and (details := episodes[0].details()) is not None:
+                if (close_error := await _close(episode)) is not None:
+                    _log_if_unexpected(trajectory_id, "closing its episode", close_error)
+                    metadata["close_error"] = _error_text(close_error)
+        if failure is not None:
+            status, reason = _status_for(failure)
+            reward = None
+            _log_if_unexpected(trajectory_id, "its episode", failure)
+            if isinstance(failure, GenerationAborted):
+                metadata["engine_abort"] = {
+                    "message": failure.engine_message,
+                    "turn": len(builder.turns),
+                    "dropped_tokens": failure.partial_tokens,
+                }
+        if episodes and (details := _details(episodes[0])) is not None:
             metadata["episode"] = details
         if self.teacher is not None and (record := teacher_context_record(views[-1], task)):
             metadata["teacher_context"] = record
@@ -228,7 +276,10 @@ class Runner:
         if self.config.teacher_scoring == "trajectory" and trajectory.turns and trainable:
             try:
                 await self._score_whole(trajectory)
-            except TeacherError as error:
+            except BaseException as error:
+                if not _ends_trajectory(error):
+                    raise
+                _log_if_unexpected(trajectory_id, "scoring it", error)
                 trajectory.status, trajectory.status_reason = _status_for(error)
         trajectory.wall_s = time.monotonic() - started
         return trajectory
@@ -365,6 +416,25 @@ class Runner:
         turn.timings.teacher_s += time.perf_counter() - started
 
 
+async def _close(episode: Episode) -> BaseException | None:
+    """Close `episode`; what it raised instead of raising it (a rollout's own cancellation
+    still propagates)."""
+    try:
+        await episode.close()
+    except BaseException as error:
+        if not _ends_trajectory(error):
+            raise
+        return error
+    return None
+
+
+def _details(episode: Episode) -> dict[str, Any] | None:
+    try:
+        return episode.details()
+    except Exception as error:
+        return {"details_error": _error_text(error)}
+
+
 def trajectory_summary(trajectory: Trajectory) -> dict[str, Any]:
     """What the step metrics need of one trajectory (JSON; travels in slime's metadata)."""
     turns = trajectory.turns
@@ -381,6 +451,7 @@ def trajectory_summary(trajectory: Trajectory) -> dict[str, Any]:
         "sandbox_s": [turn.timings.sandbox_s for turn in turns],
         "teacher_s": [turn.timings.teacher_s for turn in turns],
         "wall_s": trajectory.wall_s,
+        "close_error": (trajectory.metadata or {}).get("close_error"),
     }
 
 
@@ -400,6 +471,9 @@ def summary_metrics(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
     statuses = Counter(s["status"] for s in summaries)
     completed = TrajectoryStatus.COMPLETED.value
     aborts = Counter(s["status_reason"] for s in summaries if s["status"] != completed)
+    close_errors = Counter(
+        s["close_error"].partition(":")[0] for s in summaries if s.get("close_error")
+    )
     rewards = [s["reward"] for s in summaries if s["reward"] is not None]
     return {
         "rollout/num_turns": sum(s["num_turns"] for s in summaries) / trajectories,
@@ -412,4 +486,5 @@ def summary_metrics(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
         **{f"rollout/{key}": value for key, value in stats.metrics().items()},
         **{f"rollout/status_{key}": float(value) for key, value in statuses.items()},
         **{f"rollout/abort_count/{key}": float(value) for key, value in aborts.items()},
+        **{f"rollout/close_error_count/{k}": float(v) for k, v in close_errors.items()},
     }

@@ -11,6 +11,7 @@ when the hosts are Ray actors on other machines).
 from sandbox.base import (
     ExecResult,
     Sandbox,
+    SandboxCleanupError,
     SandboxClosedError,
     SandboxDiedError,
     SandboxError,
@@ -50,6 +51,7 @@ __all__ = [
     "PythonWorker",
     "PythonWorkerConfig",
     "Sandbox",
+    "SandboxCleanupError",
     "SandboxClosedError",
     "SandboxDiedError",
     "SandboxError",

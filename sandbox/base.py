@@ -71,6 +71,11 @@ class SandboxResourceError(SandboxError):
     """The host refused a resource before the command could run (uids, processes)."""
 
 
+class SandboxCleanupError(SandboxError):
+    """Closing could not remove everything the sandbox left (e.g. a file the host may not
+    delete); its uid, processes and lock were released all the same."""
+
+
 class SandboxClosedError(SandboxError):
     """The sandbox was used after `close()`."""
 

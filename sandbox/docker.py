@@ -794,17 +794,7 @@ class DockerSandbox(StartsAndCloses):
                 raise SandboxFileError(
                     f"{path!r} grew past the {max_bytes:,} byte limit while read"
                 )
-        with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
-            member = tar.next()
-            if member is None or not member.isreg():
-                raise SandboxFileError(f"{path!r} is not a regular file")
-            if member.size > max_bytes:
-                raise SandboxFileError(
-                    f"{path!r} grew past the {max_bytes:,} byte limit while read"
-                )
-            extracted = tar.extractfile(member)
-            assert extracted is not None
-            return extracted.read()
+        return file_from_archive(b"".join(chunks), path, max_bytes)
 
     def _parts(self, path: str) -> list[str]:
         """`path` as components below the working directory (the local sandbox's rules)."""
@@ -834,6 +824,34 @@ class DockerSandbox(StartsAndCloses):
         if response.status_code == 404:  # callers checked that the container runs
             return None
         response.raise_for_status()
-        header = response.headers["X-Docker-Container-Path-Stat"]
-        stat: dict[str, Any] = json.loads(base64.b64decode(header))
+        try:
+            header = response.headers["X-Docker-Container-Path-Stat"]
+            stat: dict[str, Any] = json.loads(base64.b64decode(header))
+            stat["mode"], stat["size"] = int(stat["mode"]), int(stat["size"])
+        except (KeyError, TypeError, ValueError) as exc:  # binascii and JSON errors included
+            raise SandboxDiedError(
+                f"the Docker daemon's stat of {container_path!r} is malformed: {exc!r}"
+            ) from exc
         return stat
+
+
+def file_from_archive(archive: bytes, path: str, max_bytes: int) -> bytes:
+    """The one regular file in `archive`, the daemon's tar of `path`. A stream cut short
+    (the file shrank or was replaced while the daemon copied it) or otherwise malformed is
+    a SandboxFileError."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:") as tar:
+            member = tar.next()
+            if member is None or not member.isreg():
+                raise SandboxFileError(f"{path!r} is not a regular file")
+            if member.size > max_bytes:
+                raise SandboxFileError(
+                    f"{path!r} grew past the {max_bytes:,} byte limit while read"
+                )
+            extracted = tar.extractfile(member)
+            assert extracted is not None
+            return extracted.read()
+    except (tarfile.TarError, EOFError) as exc:
+        raise SandboxFileError(
+            f"cannot read {path!r}: it changed while it was read ({exc})"
+        ) from exc

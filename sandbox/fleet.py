@@ -43,7 +43,6 @@ import logging
 import os
 import random
 import secrets
-import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -571,7 +570,10 @@ async def reap_local(config: LocalSandboxConfig) -> int:
             except BlockingIOError:
                 continue
             await leases.kill_uid_processes(uid)
-            await asyncio.to_thread(shutil.rmtree, root / f"work-{uid}", True)
+            try:
+                await asyncio.to_thread(leases.remove_tree, root / f"work-{uid}")
+            except OSError as exc:  # the next holder of the uid retries
+                logger.warning("cannot remove the working directory of uid %d: %s", uid, exc)
             reaped += 1
         finally:
             os.close(lock_fd)

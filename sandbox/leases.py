@@ -15,7 +15,6 @@ import fcntl
 import logging
 import os
 import secrets
-import shutil
 import stat
 import subprocess
 import tempfile
@@ -23,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox.base import SandboxResourceError, SandboxStartError
+from sandbox.base import SandboxCleanupError, SandboxResourceError, SandboxStartError
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +79,12 @@ def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
             continue
         workdir = root_dir / f"work-{uid}"
         try:
-            if workdir.exists() or workdir.is_symlink():
-                _remove_tree(workdir)
+            remove_tree(workdir)
+        except OSError as exc:  # e.g. an immutable file: this uid stays out of use
+            logger.warning("sandbox uid %d skipped: cannot remove %s: %s", uid, workdir, exc)
+            os.close(lock_fd)
+            continue
+        try:
             workdir.mkdir(mode=0o700)
             os.chown(workdir, uid, uid)
         except OSError as exc:
@@ -95,18 +98,107 @@ def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
 
 
 def release(lease: SandboxLease) -> None:
-    """Remove the working directory and free the uid (its processes must be dead)."""
-    _remove_tree(lease.workdir)
-    if lease.lock_fd is not None:
-        os.close(lease.lock_fd)
-        lease.lock_fd = None
+    """Remove the working directory and free the uid (its processes must be dead). The uid
+    is freed even when the directory cannot be removed: its next holder retries."""
+    try:
+        remove_tree(lease.workdir)
+    except OSError as exc:
+        raise SandboxCleanupError(
+            f"cannot remove the working directory {lease.workdir}: {exc}"
+        ) from exc
+    finally:
+        if lease.lock_fd is not None:
+            os.close(lease.lock_fd)
+            lease.lock_fd = None
 
 
-def _remove_tree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: Path) -> None:
+    """Remove `path` and everything below it, whatever shape the sandbox left: no recursion
+    (a tree thousands of levels deep), no path longer than one name (every call is
+    relative to a directory descriptor), symlinks unlinked and never followed, and
+    directories the sandbox made unreadable or unwritable opened up first."""
+    try:
+        parent_fd = os.open(path.parent, _DIR_FLAGS)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            info = os.stat(path.name, dir_fd=parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(info.st_mode):
+            _remove_dir_at(parent_fd, path.name)
+        else:
+            os.unlink(path.name, dir_fd=parent_fd)
+    finally:
+        os.close(parent_fd)
+
+
+def _remove_dir_at(parent_fd: int, name: str) -> None:
+    """Depth first with one descriptor open at a time: down into the first subdirectory
+    left, back up through '..' (checked against the inode it came from) once one is empty."""
+    fd = _open_dir_at(parent_fd, name)
+    trail: list[tuple[str, tuple[int, int]]] = [(name, _identity(fd))]
+    try:
+        while True:
+            child = _clear_files(fd)
+            if child is not None:
+                child_fd = _open_dir_at(fd, child)
+                os.close(fd)
+                fd = child_fd
+                trail.append((child, _identity(fd)))
+                continue
+            done, _ = trail.pop()
+            if not trail:
+                break
+            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            if _identity(fd) != trail[-1][1]:
+                raise OSError(f"a directory under {name} moved while it was being removed")
+            os.rmdir(done, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+def _clear_files(fd: int) -> str | None:
+    """Unlink every non-directory in the directory open as `fd`; the name of a
+    subdirectory left in it, if any."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                return entry.name
+            os.unlink(entry.name, dir_fd=fd)
+    return None
+
+
+def _open_dir_at(parent_fd: int, name: str) -> int:
+    """Open directory `name` (never a symlink) for listing and removing its entries,
+    giving its owner the permissions that takes when it had taken them away."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except PermissionError:
+        handle = os.open(
+            name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd
+        )
+        try:
+            os.chmod(f"/proc/self/fd/{handle}", 0o700)  # the inode opened, never a symlink
+        finally:
+            os.close(handle)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    mode = os.fstat(fd).st_mode
+    if mode & 0o700 != 0o700:
+        os.fchmod(fd, stat.S_IMODE(mode) | 0o700)
+    return fd
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 def _kill_uid_processes_now(uid: int) -> None:

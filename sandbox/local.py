@@ -40,8 +40,10 @@ from sandbox import files, leases
 from sandbox.base import (
     ExecResult,
     LimitName,
+    SandboxCleanupError,
     SandboxClosedError,
     SandboxDiedError,
+    SandboxError,
     SandboxResourceError,
     SandboxStartError,
     SandboxUnavailableError,
@@ -358,14 +360,25 @@ class LocalSandbox(StartsAndCloses):
             await leases.kill_uid_processes(self._jail.uid)
 
     async def close(self) -> None:
+        """Kill the sandbox's processes, remove its working directory and free its uid;
+        the uid is freed whatever the rest raised, and only SandboxErrors are raised."""
         if self._closed:
             return
         async with self._start_lock:
-            await self.kill_all()
-            self._closed = True
-            if self._lease is not None:
-                await asyncio.to_thread(leases.release, self._lease)
-                self._lease = None
+            if self._closed:
+                return
+            try:
+                try:
+                    await self.kill_all()
+                finally:
+                    self._closed = True
+                    lease, self._lease = self._lease, None
+                    if lease is not None:
+                        await asyncio.to_thread(leases.release, lease)
+            except SandboxError:
+                raise
+            except Exception as exc:
+                raise SandboxCleanupError(f"closing the sandbox failed: {exc!r}") from exc
 
 
 def _read_all(fd: int) -> bytes:

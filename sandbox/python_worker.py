@@ -301,10 +301,12 @@ class PythonWorker(StartsAndCloses):
         if self._closed:
             return
         self._closed = True
-        await self.sandbox.close()
-        for task in self._readers:
-            task.cancel()
-        self._proc = None
+        try:
+            await self.sandbox.close()
+        finally:
+            for task in self._readers:
+                task.cancel()
+            self._proc = None
 
 
 def _death_reason(killed_for: LimitName | None, exit_code: int, timeout_s: float) -> str:

@@ -40,6 +40,7 @@ from sandbox import (
     SandboxResourceError,
     SandboxStartError,
     SandboxUnavailableError,
+    leases,
 )
 from sandbox.docker import OWNER_LABEL
 from sandbox.fleet import (
@@ -575,6 +576,34 @@ def test_reap_local_kills_and_removes_what_a_killed_process_left(root_dir: Path)
 
     assert run(reap_local(config)) == 1
     assert sandbox_uid_processes() == []
+    assert not workdir.exists()
+
+
+def _deep_tree(top: Path, depth: int) -> None:
+    """`top`/d/d/.../d/leaf, `depth` levels: a path far longer than PATH_MAX."""
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+@needs_root
+def test_reap_local_removes_a_leftover_tree_5000_levels_deep(root_dir: Path) -> None:
+    uid = UID_BASE + UID_COUNT - 1  # a range of its own: other sandboxes' uids are not reaped
+    config = local_config(root_dir, isolation="basic").model_copy(
+        update={"uid_base": uid, "uid_count": 1}
+    )
+    leases.prepare_root(root_dir)
+    workdir = root_dir / f"work-{uid}"
+    _deep_tree(workdir, 5000)
+    assert run(reap_local(config)) == 1
     assert not workdir.exists()
 
 

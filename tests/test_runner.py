@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from rollout.toolcalls import ToolCall, render_tool_call
 from rollout.trajectory import MaskTier, Task, TrajectoryStatus, read_jsonl
 from sandbox import SandboxDiedError
 from slime_ext.local.factory import build_checkpoint
+from teacher_server.api import ScoreItem, ScoreResult
 from teacher_server.app import create_app
 from teacher_server.client import TeacherClient
 from teacher_server.hf_backend import HFBackend
@@ -262,3 +264,222 @@ def test_stored_teacher_scores_equal_a_direct_teacher_forward(
             assert turn.teacher_logprobs is not None
             assert torch.allclose(torch.tensor(turn.teacher_logprobs), expected, atol=1e-5)
     assert json.loads(trajectories[0].to_json_line())["turns"][0]["teacher_logprobs"]
+
+
+class FaultPlan:
+    """Counts the await points each trajectory reaches (policy, harness, episode, sandbox,
+    teacher) and, at the `occurrence`-th time trajectory `victim` reaches `point`, fails
+    there with `error` (a CancelledError: by awaiting a future someone else cancelled)."""
+
+    def __init__(
+        self,
+        victim: str = "",
+        point: str = "",
+        occurrence: int = 1,
+        error: type[BaseException] = TypeError,
+    ) -> None:
+        self.victim, self.point, self.occurrence, self.error = victim, point, occurrence, error
+        self.seen: dict[str, Counter[str]] = defaultdict(Counter)
+
+    async def reach(self, trajectory_id: str, point: str) -> None:
+        await asyncio.sleep(0)
+        self.seen[trajectory_id][point] += 1
+        hit = trajectory_id == self.victim and point == self.point
+        if hit and self.seen[trajectory_id][point] == self.occurrence:
+            if self.error is asyncio.CancelledError:
+                cancelled = asyncio.get_running_loop().create_future()
+                cancelled.cancel()
+                await cancelled
+            raise self.error("injected")
+
+
+class FaultySandbox:
+    def __init__(self, plan: FaultPlan, trajectory_id: str) -> None:
+        self.plan, self.trajectory_id = plan, trajectory_id
+
+    async def exec(self, cmd: str) -> str:
+        await self.plan.reach(self.trajectory_id, "sandbox.exec")
+        return f"ran {cmd}"
+
+    async def close(self) -> None:
+        await self.plan.reach(self.trajectory_id, "sandbox.close")
+
+
+class FaultyEpisode:
+    """Two tool turns through its sandbox, then done with reward 1."""
+
+    def __init__(self, plan: FaultPlan, trajectory_id: str, sandbox: FaultySandbox) -> None:
+        self.plan, self.trajectory_id, self.sandbox = plan, trajectory_id, sandbox
+        self.steps = 0
+
+    async def step(self, turn: RecordedTurn) -> StepOutcome:
+        await self.plan.reach(self.trajectory_id, "episode.step")
+        observation = await self.sandbox.exec(f"step {self.steps}")
+        self.steps += 1
+        done = self.steps >= 2
+        return StepOutcome(observation=None if done else observation, done=done, reason="done")
+
+    async def reward(self) -> float:
+        await self.plan.reach(self.trajectory_id, "episode.reward")
+        return 1.0
+
+    def details(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    async def close(self) -> None:
+        await self.plan.reach(self.trajectory_id, "episode.close")
+        await self.sandbox.close()
+
+
+class FaultyHarness:
+    name = "faulty"
+
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan
+        self.tools: list[dict[str, Any]] = []
+
+    def initial_messages(self, task: Task) -> list[Message]:
+        if self.plan.point == "harness.initial_messages" and task.task_id == "victim":
+            raise self.plan.error("injected")
+        return [{"role": "user", "content": task.prompt}]
+
+    async def start(self, task: Task) -> FaultyEpisode:
+        trajectory_id = f"{task.task_id}#0"
+        await self.plan.reach(trajectory_id, "harness.start")
+        sandbox = FaultySandbox(self.plan, trajectory_id)
+        await self.plan.reach(trajectory_id, "sandbox.start")
+        return FaultyEpisode(self.plan, trajectory_id, sandbox)
+
+
+class FaultyPolicy:
+    def __init__(self, renderer: ChatRenderer, plan: FaultPlan) -> None:
+        self.renderer, self.plan = renderer, plan
+
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, session_id: str | None = None
+    ) -> Generation:
+        assert session_id is not None
+        await self.plan.reach(session_id, "policy.generate")
+        ids = [*self.renderer.encode("step"), self.renderer.eos_id]
+        return Generation(output_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop")
+
+
+class FaultyTeacher:
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan
+
+    async def score(self, items: Sequence[ScoreItem]) -> list[ScoreResult]:
+        [item] = items
+        assert item.session_id is not None
+        await self.plan.reach(item.session_id, "teacher.score")
+        return [ScoreResult(logprobs=[-1.0] * (len(item.input_ids) - item.span_start))]
+
+
+FAULT_POINTS = [
+    ("harness.start", 1),
+    ("sandbox.start", 1),
+    ("policy.generate", 1),
+    ("policy.generate", 2),
+    ("teacher.score", 1),
+    ("teacher.score", 2),
+    ("episode.step", 1),
+    ("episode.step", 2),
+    ("sandbox.exec", 1),
+    ("sandbox.exec", 2),
+    ("episode.reward", 1),
+    ("episode.close", 1),
+    ("sandbox.close", 1),
+]
+FAULT_TASKS = [Task(task_id=name, kind="faulty", prompt=name) for name in ("a", "victim", "b")]
+
+
+def _faulty_runner(factory_tokenizer: Any, plan: FaultPlan) -> Runner:
+    renderer = ChatRenderer(factory_tokenizer)
+    teacher: Any = FaultyTeacher(plan)
+    return Runner(
+        FaultyHarness(plan),
+        FaultyPolicy(renderer, plan),
+        renderer,
+        RunnerConfig(concurrency=3, teacher_scoring="per_turn", trajectory_timeout_s=30),
+        teacher=teacher,
+    )
+
+
+def test_fault_points_are_every_await_of_a_trajectory(factory_tokenizer: Any) -> None:
+    plan = FaultPlan()
+    trajectories = asyncio.run(_faulty_runner(factory_tokenizer, plan).run(FAULT_TASKS))
+    assert [t.status for t in trajectories] == [TrajectoryStatus.COMPLETED] * 3
+    reached = sorted(
+        (point, n) for point, count in plan.seen["victim#0"].items() for n in range(1, count + 1)
+    )
+    assert reached == sorted(FAULT_POINTS)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [TypeError, KeyError, OverflowError, RecursionError, asyncio.CancelledError, SandboxDiedError],
+)
+@pytest.mark.parametrize(("point", "occurrence"), FAULT_POINTS)
+def test_any_error_at_any_await_ends_only_its_trajectory(
+    factory_tokenizer: Any, point: str, occurrence: int, error: type[BaseException]
+) -> None:
+    plan = FaultPlan("victim#0", point, occurrence, error)
+    trajectories = asyncio.run(_faulty_runner(factory_tokenizer, plan).run(FAULT_TASKS))
+    a, victim, b = trajectories
+    assert a.status is b.status is TrajectoryStatus.COMPLETED and a.reward == b.reward == 1.0
+    metrics = rollout_metrics(trajectories)
+    if point.endswith(".close"):  # the turns and reward stand; the failed close is counted
+        assert victim.status is TrajectoryStatus.COMPLETED and victim.reward == 1.0
+        assert victim.metadata["close_error"].partition(":")[0] == error.__name__
+        assert metrics[f"rollout/close_error_count/{error.__name__}"] == 1
+        return
+    if error is SandboxDiedError:
+        assert victim.status is TrajectoryStatus.SANDBOX_ERROR
+        assert victim.status_reason == "SandboxDiedError: injected"
+    else:
+        assert victim.status is TrajectoryStatus.ABORTED
+        assert victim.status_reason.startswith(f"unexpected {error.__name__}")
+    assert victim.reward is None
+    assert metrics[f"rollout/abort_count/{victim.status_reason}"] == 1
+    assert not any(key.startswith("rollout/close_error_count/") for key in metrics)
+    if point not in ("harness.start", "sandbox.start"):  # the started episode was closed
+        assert plan.seen["victim#0"]["sandbox.close"] == 1
+
+
+def test_an_error_building_the_first_messages_ends_only_its_trajectory(
+    factory_tokenizer: Any,
+) -> None:
+    plan = FaultPlan("victim#0", "harness.initial_messages", 1, KeyError)
+    a, victim, b = asyncio.run(_faulty_runner(factory_tokenizer, plan).run(FAULT_TASKS))
+    assert a.status is b.status is TrajectoryStatus.COMPLETED
+    assert victim.status is TrajectoryStatus.ABORTED
+    assert victim.status_reason == "unexpected KeyError: 'injected'"
+    assert "victim#0" not in plan.seen  # no episode was started
+
+
+def test_a_cancelled_rollout_propagates_after_closing_its_episodes(
+    factory_tokenizer: Any,
+) -> None:
+    plan = FaultPlan()
+    runner = _faulty_runner(factory_tokenizer, plan)
+
+    async def cancel_mid_run() -> None:
+        rollout = asyncio.create_task(runner.run(FAULT_TASKS))
+        while sum(seen["episode.step"] for seen in plan.seen.values()) < 3:
+            await asyncio.sleep(0)
+        rollout.cancel()
+        await rollout
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancel_mid_run())
+    assert [plan.seen[f"{t.task_id}#0"]["sandbox.close"] for t in FAULT_TASKS] == [1, 1, 1]
+
+
+class Halt(BaseException):
+    """Not an Exception (as KeyboardInterrupt and SystemExit are not): ends the rollout."""
+
+
+def test_a_base_exception_in_a_trajectory_ends_the_rollout(factory_tokenizer: Any) -> None:
+    plan = FaultPlan("victim#0", "episode.step", 1, Halt)
+    with pytest.raises(Halt):
+        asyncio.run(_faulty_runner(factory_tokenizer, plan).run(FAULT_TASKS))

@@ -420,6 +420,30 @@ def test_files_round_trip_owned_by_the_sandbox_user(image: str) -> None:
     assert replaced == b"replaced"
 
 
+def test_a_file_that_shrinks_during_the_copy_is_a_sandbox_file_error(
+    image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> bytes:
+        async with DockerSandbox(config(image)) as sandbox:
+            await sandbox.write_file("out.bin", bytes(10_000))
+            api = sandbox._api
+            copy = api.get_archive
+
+            def cut_short(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+                # What the daemon sends when the file shrinks under it: a header for the
+                # size it saw, then less data than that.
+                stream, stat = copy(*args, **kwargs)
+                return iter([b"".join(stream)[:3000]]), stat
+
+            monkeypatch.setattr(api, "get_archive", cut_short)
+            with pytest.raises(SandboxFileError, match="changed while it was read"):
+                await sandbox.read_file("out.bin")
+            monkeypatch.undo()
+            return await sandbox.read_file("out.bin")
+
+    assert run(scenario()) == bytes(10_000)
+
+
 def test_file_paths_outside_the_workdir_links_and_oversized_reads_are_refused(
     image: str, client: docker.DockerClient
 ) -> None:

@@ -22,6 +22,7 @@ from sandbox import (
     LocalSandbox,
     LocalSandboxConfig,
     Sandbox,
+    SandboxCleanupError,
     SandboxClosedError,
     SandboxDiedError,
     SandboxError,
@@ -30,6 +31,7 @@ from sandbox import (
     SandboxUnavailableError,
 )
 from sandbox import jail as jail_module
+from sandbox import leases as leases_module
 from sandbox import local as local_module
 from sandbox.jail import Jail, Limits, find_bwrap, limit_from_exit, probe_strict
 from sandbox.leases import uid_processes
@@ -347,6 +349,30 @@ def test_exhausted_uid_range_is_a_resource_error(root_dir: Path) -> None:
 
     with pytest.raises(SandboxResourceError, match="in use"):
         run(scenario())
+
+
+@needs_root
+@pytest.mark.parametrize(
+    "failure", [PermissionError(1, "Operation not permitted"), RecursionError()]
+)
+def test_a_failed_teardown_is_a_cleanup_error_and_still_frees_the_uid(
+    root_dir: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    def cannot_remove(path: Path) -> None:
+        raise failure
+
+    async def scenario() -> str:
+        cfg = config(root_dir, "basic").model_copy(update={"uid_base": 300_501, "uid_count": 1})
+        sandbox = LocalSandbox(cfg)
+        await sandbox.start()
+        monkeypatch.setattr(leases_module, "remove_tree", cannot_remove)
+        with pytest.raises(SandboxCleanupError):
+            await sandbox.close()
+        monkeypatch.undo()
+        async with LocalSandbox(cfg) as again:  # the range's only uid was freed
+            return (await again.exec("echo reused", 5)).stdout
+
+    assert run(scenario()) == "reused\n"
 
 
 @pytest.mark.parametrize("isolation", [STRICT])

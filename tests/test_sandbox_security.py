@@ -21,7 +21,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+import traceback
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,7 +31,7 @@ import pytest
 from sandbox import ExecResult, LocalSandbox, LocalSandboxConfig, PythonWorker, PythonWorkerConfig
 from sandbox.base import SandboxFileError
 from sandbox.jail import find_bwrap, probe_strict
-from sandbox.leases import uid_processes
+from sandbox.leases import remove_tree, uid_processes
 
 T = TypeVar("T")
 PY = "/usr/bin/python3"
@@ -495,6 +496,93 @@ def test_python_worker_cells_see_neither_host_files_nor_host_network(
         read, connect = run(scenario())
     assert "FileNotFoundError" in read.stderr and SECRET not in read.stdout
     assert "connected" not in connect.stdout and connect.exit_code == 1
+
+
+# -- teardown ------------------------------------------------------------------------------
+
+TREE_ATTACK = """
+import os
+os.makedirs("locked/inner")
+open("locked/inner/file", "w").close()
+os.chmod("locked", 0)
+os.symlink("/etc", "etc-link")
+for _ in range(5000):
+    os.mkdir("d")
+    os.chdir("d")
+open("bottom", "w").close()
+print("built", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("isolation", BOTH)
+def test_close_removes_a_tree_5000_levels_deep_and_frees_the_uid(
+    root_dir: Path, isolation: str
+) -> None:
+    # A range of one uid: the second sandbox starts only if close() freed it.
+    cfg = config(root_dir, isolation).model_copy(
+        update={"uid_base": UID_BASE + UID_COUNT - 2, "uid_count": 1}
+    )
+
+    async def scenario() -> tuple[Path, str]:
+        sandbox = LocalSandbox(cfg)
+        await sandbox.start()
+        workdir = sandbox.workdir
+        built = await sandbox.exec(python_attack(TREE_ATTACK), 30)
+        assert built.stdout == "built\n", built.stderr
+        await sandbox.close()
+        async with LocalSandbox(cfg) as again:
+            return workdir, (await again.exec("echo reused", 5)).stdout
+
+    workdir, reused = run(scenario())
+    assert reused == "reused\n"
+    assert not workdir.exists()
+    assert Path("/etc/passwd").is_file()  # the planted link was unlinked, not followed
+
+
+def _as_uid(uid: int, action: Callable[[], None]) -> int:
+    """Run `action` in a child process holding only `uid`'s rights (a host that is not
+    root, whose sandboxes run as its own user); the child's exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            action()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_teardown_without_root_opens_up_locked_directories_and_never_follows_links(
+    host_dir: Path,
+) -> None:
+    uid = UID_BASE + UID_COUNT - 3
+    base = Path(tempfile.mkdtemp(prefix="opd-teardown-"))
+    os.chown(base, uid, uid)
+    workdir = base / "work"
+
+    def build_and_remove() -> None:
+        (workdir / "locked" / "inner").mkdir(parents=True)
+        (workdir / "locked" / "inner" / "file").write_text("x")
+        (workdir / "readonly").mkdir()
+        (workdir / "readonly" / "file").write_text("x")
+        (workdir / "host-link").symlink_to(host_dir)
+        (workdir / "locked").chmod(0)
+        (workdir / "readonly").chmod(0o500)
+        remove_tree(workdir)
+        assert not workdir.exists()
+
+    try:
+        assert _as_uid(uid, build_and_remove) == 0
+        assert (host_dir / "host_secret.txt").read_text() == SECRET
+    finally:
+        remove_tree(base)
 
 
 # -- the host afterwards -------------------------------------------------------------------
