@@ -138,8 +138,9 @@ class RolloutConfig(Section):
     """Generation budget of one turn."""
     max_context_tokens: int = Field(default=4096, ge=16)
     """Longest context a turn may see; a trajectory that outgrows it ends as truncated."""
-    temperature: float = Field(default=1.0, gt=0.0)
-    """Sampling temperature. KL losses use this same temperature on both sides."""
+    temperature: float = Field(default=1.0, ge=1e-2, le=1e2)
+    """Sampling temperature. KL losses use this same temperature on both sides, so it lies
+    where the teacher service scores (teacher_server.api MIN/MAX_TEMPERATURE: [0.01, 100])."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus truncation; 1.0 (off) keeps OPD samples on-policy. On a cluster (`opd
     launch`) recipes that sample (opd, opsd, oprd, rl) need 1.0: slime cannot train our

@@ -12,6 +12,12 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 """The SGLang router's session header: one trajectory's requests to one engine (under the
 router's manual and consistent_hashing policies)."""
 MAX_ROUTING_KEY_LEN = 128
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 1e2
+"""Temperatures accepted: within them fp32 log-softmax(logits / T) stays finite."""
+Temperature = Annotated[
+    StrictFloat | StrictInt, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)
+]
 
 
 def routing_key(session_id: str) -> str:
@@ -37,8 +43,8 @@ class ScoreItem(BaseModel):
     """Also return the k most likely ids (and their log-probs) at each span position."""
     session_id: StrictStr | None = Field(default=None, max_length=256)
     """Requests of one trajectory share a session, so each turn reuses the last one's prefix."""
-    temperature: StrictFloat | StrictInt = Field(default=1.0, gt=0)
-    """Log-probs are of softmax(logits / temperature)."""
+    temperature: Temperature = 1.0
+    """Log-probs are of softmax(logits / temperature), temperature in [0.01, 100]."""
 
 
 class ScoreRequest(BaseModel):
@@ -81,7 +87,7 @@ class TrajectoryScoreRequest(BaseModel):
     """The latest context of the trajectory (system, task, actions, observations)."""
     turns: list[TrajectoryTurn] = Field(min_length=1)
     top_k: StrictInt = Field(default=0, ge=0)
-    temperature: StrictFloat | StrictInt = Field(default=1.0, gt=0)
+    temperature: Temperature = 1.0
 
 
 class TrajectoryScoreResponse(BaseModel):
@@ -117,6 +123,7 @@ class ServerInfo(BaseModel):
     vocab_size: int
     """Ids at or above this are rejected."""
     max_context: int
+    """The longest input_ids accepted (ids)."""
     backend: Literal["hf", "sglang"]
     max_top_k: int
     max_batch_size: int

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
 from teacher_server.api import (
     ErrorBody,
@@ -25,15 +24,20 @@ from teacher_server.api import (
     TrajectoryScoreRequest,
     TrajectoryScoreResponse,
 )
-from teacher_server.backend import BackendFailure, BadScoreRequest, Overloaded, ScoringBackend
+from teacher_server.backend import (
+    BackendFailure,
+    BadScoreRequest,
+    Overloaded,
+    ScoringBackend,
+    TooManyItems,
+)
+from teacher_server.guards import RequestGuard, default_max_body_bytes
 from teacher_server.metrics import ServerMetrics
 
 RETRY_AFTER_S = 1
-BEARER = HTTPBearer(auto_error=False)
-
-
-class AuthError(Exception):
-    pass
+BEARER = Depends(HTTPBearer(auto_error=False))
+"""Declares the bearer scheme in /openapi.json; RequestGuard checks the key, before the
+body is read (a route dependency would run after FastAPI read and parsed it)."""
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -41,7 +45,8 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         400: "Bad input; the message names the field",
         401: "Missing or wrong API key",
         403: "Not allowed on this server (reload needs a server with an API key)",
-        422: "Malformed request body",
+        413: "Body over the server's --max-body-mb, or more items than its queue holds",
+        422: "Malformed request body, or a value out of its range",
         500: "The backend failed",
         503: "Queue full; retry after the Retry-After header",
     }
@@ -49,8 +54,14 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 def create_app(
-    backend: ScoringBackend, metrics: ServerMetrics, api_key: str | None = None
+    backend: ScoringBackend,
+    metrics: ServerMetrics,
+    api_key: str | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
+    """`max_body_bytes`: larger bodies are answered 413 unread; None derives it from the
+    backend's limits (guards.default_max_body_bytes)."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
@@ -66,21 +77,11 @@ def create_app(
         lifespan=lifespan,
     )
 
-    def authorize(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
-    ) -> None:
-        if api_key is None:
-            return
-        if credentials is None or not secrets.compare_digest(credentials.credentials, api_key):
-            raise AuthError()
+    def body_limit() -> int:
+        # read per request: the sglang backend learns its context length in start()
+        return max_body_bytes or default_max_body_bytes(backend.info())
 
-    @app.exception_handler(AuthError)
-    async def _unauthorized(_: Request, __: AuthError) -> JSONResponse:
-        return JSONResponse(
-            {"detail": "missing or wrong bearer token"},
-            status_code=401,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=body_limit)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -93,8 +94,8 @@ def create_app(
     @app.post(
         "/v1/score",
         response_model=ScoreResponse,
-        dependencies=[Depends(authorize)],
-        responses=_errors(400, 401, 422, 500, 503),
+        dependencies=[BEARER],
+        responses=_errors(400, 401, 413, 422, 500, 503),
     )
     async def score(request: ScoreRequest) -> Any:
         started = time.perf_counter()
@@ -105,6 +106,9 @@ def create_app(
         except BadScoreRequest as err:
             status = 400
             return JSONResponse({"detail": str(err)}, status_code=400)
+        except TooManyItems as err:
+            status = 413
+            return JSONResponse({"detail": str(err)}, status_code=413)
         except Overloaded as err:
             status = 503
             return JSONResponse(
@@ -119,8 +123,8 @@ def create_app(
     @app.post(
         "/v1/score_trajectory",
         response_model=TrajectoryScoreResponse,
-        dependencies=[Depends(authorize)],
-        responses=_errors(400, 401, 422, 500),
+        dependencies=[BEARER],
+        responses=_errors(400, 401, 413, 422, 500),
     )
     async def score_trajectory(request: TrajectoryScoreRequest) -> Any:
         started = time.perf_counter()
@@ -141,8 +145,8 @@ def create_app(
     @app.post(
         "/v1/reload",
         response_model=ReloadResult,
-        dependencies=[Depends(authorize)],
-        responses=_errors(400, 401, 403, 422, 500),
+        dependencies=[BEARER],
+        responses=_errors(400, 401, 403, 413, 422, 500),
     )
     async def reload(request: ReloadRequest) -> Any:
         """Swap the served weights (a self-teacher refreshed from the student). Only on a
@@ -162,7 +166,7 @@ def create_app(
     @app.delete(
         "/v1/sessions/{session_id}",
         response_model=SessionDeleted,
-        dependencies=[Depends(authorize)],
+        dependencies=[BEARER],
         responses=_errors(401, 422),
     )
     async def delete_session(session_id: str) -> SessionDeleted:
@@ -171,7 +175,7 @@ def create_app(
     @app.get(
         "/v1/info",
         response_model=ServerInfo,
-        dependencies=[Depends(authorize)],
+        dependencies=[BEARER],
         responses=_errors(401),
     )
     async def info() -> ServerInfo:

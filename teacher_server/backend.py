@@ -19,6 +19,10 @@ class BadScoreRequest(ValueError):
     """A request the backend cannot score as asked; the message names the field (HTTP 400)."""
 
 
+class TooManyItems(ValueError):
+    """More items in one request than the queue ever holds: no retry can succeed (HTTP 413)."""
+
+
 class Overloaded(RuntimeError):
     """The queue is over its bound (HTTP 503 with Retry-After)."""
 
@@ -35,7 +39,8 @@ class ScoringBackend(Protocol):
     async def stop(self) -> None: ...
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        """Results in request order; raises BadScoreRequest, Overloaded or BackendFailure."""
+        """Results in request order; raises BadScoreRequest, TooManyItems, Overloaded or
+        BackendFailure."""
         ...
 
     async def score_trajectory(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
@@ -53,6 +58,18 @@ class ScoringBackend(Protocol):
     def metrics_text(self) -> str:
         """Backend-specific Prometheus lines (queue depth, cache, tokens computed)."""
         ...
+
+
+def admit(pending: int, count: int, max_queue: int) -> None:
+    """Refuses `count` new items: for good (TooManyItems) when the queue could never hold
+    them, for now (Overloaded) when it cannot while `pending` are queued."""
+    if count > max_queue:
+        raise TooManyItems(
+            f"requests: {count} items in one request, at most {max_queue} are accepted; "
+            "split it into several requests"
+        )
+    if pending + count > max_queue:
+        raise Overloaded(f"{pending} items queued (bound {max_queue}); retry later")
 
 
 def check_items(items: list[ScoreItem], info: ServerInfo) -> None:

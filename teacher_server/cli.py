@@ -51,7 +51,18 @@ def serve(
     max_top_k: Annotated[int, typer.Option(help="Largest top_k accepted.")] = 100,
     max_batch_size: Annotated[int, typer.Option(help="Items per forward (hf).")] = 32,
     max_wait_ms: Annotated[float, typer.Option(help="Batch collection window (hf).")] = 5.0,
-    max_queue: Annotated[int, typer.Option(help="Items queued before 503.")] = 1024,
+    max_queue: Annotated[
+        int,
+        typer.Option(help="Items queued before 503; a request of more items is refused (413)."),
+    ] = 1024,
+    max_body_mb: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Largest request body in MiB, refused (413) unread past it. Default: room for "
+            "max-batch-size items of max-context ids (10 bytes per id), at least 1 MiB.",
+        ),
+    ] = None,
     cache_budget_mb: Annotated[float, typer.Option(help="Session cache budget (hf).")] = 1024.0,
     snapshot_every: Annotated[
         int, typer.Option(help="hf, hybrid models: recurrent-state snapshot interval in tokens.")
@@ -104,7 +115,13 @@ def serve(
             max_queue=max_queue,
         )
     typer.echo(f"opd-teacher: {chosen} backend, model {model}, http://{host}:{port}")
-    uvicorn.run(create_app(scoring, metrics, api_key), host=host, port=port, log_level="warning")
+    max_body_bytes = None if max_body_mb is None else int(max_body_mb * 2**20)
+    uvicorn.run(
+        create_app(scoring, metrics, api_key, max_body_bytes),
+        host=host,
+        port=port,
+        log_level="warning",
+    )
 
 
 @app.command()

@@ -29,7 +29,8 @@ class TeacherError(RuntimeError):
 
 
 class TeacherBadRequest(TeacherError):
-    """The service refused the request (HTTP 400/422); the message names the field."""
+    """The service refused the request for good (HTTP 400/404/413/422): retrying the same
+    request cannot succeed; the message names the field or the limit."""
 
 
 class TeacherUnauthorized(TeacherError):
@@ -53,7 +54,8 @@ class TeacherClient:
 
     At most `max_concurrency` requests in flight; each has a deadline of `timeout_s`;
     connection errors and 503 answers are retried `retries` times with jittered
-    exponential backoff (honouring Retry-After); 4xx answers are not retried.
+    exponential backoff (honouring Retry-After); 4xx answers (a body or batch over the
+    server's limits: 413) are not retried.
     """
 
     def __init__(
@@ -163,7 +165,7 @@ class TeacherClient:
             if response.status_code == 200:
                 return response.json()
             detail = _detail(response)
-            if response.status_code in (400, 404, 422):
+            if response.status_code in (400, 404, 413, 422):
                 raise TeacherBadRequest(f"{method} {path}: {detail}")
             if response.status_code == 401:
                 raise TeacherUnauthorized(f"{method} {path}: {detail}")

@@ -30,7 +30,7 @@ from teacher_server.api import (
 from teacher_server.backend import (
     BackendFailure,
     BadScoreRequest,
-    Overloaded,
+    admit,
     check_items,
     check_trajectory,
     tokenizer_identity,
@@ -226,8 +226,7 @@ class MicroBatcher:
     async def submit(self, items: list[ScoreItem]) -> list[ScoreResult]:
         if self._queue is None:
             raise BackendFailure("the scoring worker is not running")
-        if self.pending + len(items) > self.max_queue:
-            raise Overloaded(f"{self.pending} items queued (bound {self.max_queue}); retry later")
+        admit(self.pending, len(items), self.max_queue)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         self.pending += len(items)

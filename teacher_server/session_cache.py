@@ -88,7 +88,8 @@ class SessionCache:
     """session id -> SessionState, least recently used evicted first past the budget.
 
     A state is taken out while a request computes on it and put back after, so a failed
-    request loses the session's cache instead of leaving it half-updated.
+    request loses the session's cache instead of leaving it half-updated. Every read and
+    write of the table holds `_guard`: the scoring thread writes while /metrics reads.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -96,6 +97,8 @@ class SessionCache:
         self._states: OrderedDict[str, tuple[SessionState, int]] = OrderedDict()
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._bytes = 0
+        """Sum of the sizes in `_states`, kept with it under `_guard`."""
         self.evictions = 0
 
     def lock(self, session_id: str) -> threading.Lock:
@@ -104,33 +107,46 @@ class SessionCache:
 
     def take(self, session_id: str) -> SessionState | None:
         with self._guard:
-            entry = self._states.pop(session_id, None)
+            entry = self._pop(session_id)
         return entry[0] if entry else None
 
     def put(self, session_id: str, state: SessionState) -> None:
         size = state.nbytes
         with self._guard:
+            self._pop(session_id)
             self._states[session_id] = (state, size)
-            while self._states and self.total_bytes > self.budget_bytes:
-                self._states.popitem(last=False)
+            self._bytes += size
+            while self._states and self._bytes > self.budget_bytes:
+                _, (_, evicted) = self._states.popitem(last=False)
+                self._bytes -= evicted
                 self.evictions += 1
 
     def drop(self, session_id: str) -> bool:
         with self._guard:
             self._locks.pop(session_id, None)
-            return self._states.pop(session_id, None) is not None
+            return self._pop(session_id) is not None
 
     def clear(self) -> int:
         """Drop every session (their prefixes were computed with other weights)."""
         with self._guard:
             count = len(self._states)
             self._states.clear()
+            self._bytes = 0
             self._locks.clear()
             return count
 
+    def _pop(self, session_id: str) -> tuple[SessionState, int] | None:
+        """Remove one entry; the caller holds `_guard`."""
+        entry = self._states.pop(session_id, None)
+        if entry is not None:
+            self._bytes -= entry[1]
+        return entry
+
     @property
     def total_bytes(self) -> int:
-        return sum(size for _, size in self._states.values())
+        with self._guard:
+            return self._bytes
 
     def __len__(self) -> int:
-        return len(self._states)
+        with self._guard:
+            return len(self._states)

@@ -7,7 +7,9 @@ entries 1.. are the span. Its radix cache reuses at most s prefix tokens, and a 
 keeps one session on one replica when given the `X-SMG-Routing-Key` header.
 
 SGLang's prompt log-probs are not temperature-scaled and SGLang does not range-check
-input ids (an out-of-vocabulary id crashes its engine), so both are handled here.
+input ids (an out-of-vocabulary id crashes its engine), so both are handled here. SGLang
+refuses an input of its context length or more (TokenizerManager._validate_one_request:
+`len(input_ids) >= context_len`), so the longest input accepted here is one id shorter.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from teacher_server.api import (
     TrajectoryScoreRequest,
     routing_key,
 )
-from teacher_server.backend import BackendFailure, BadScoreRequest, Overloaded, check_items
+from teacher_server.backend import BackendFailure, BadScoreRequest, admit, check_items
 from teacher_server.metrics import ServerMetrics
 
 
@@ -74,15 +76,18 @@ class SGLangBackend:
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.max_concurrency * 2)
         self._client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
-        if self.max_context is None:
-            try:
-                models = (await self._client.get("/v1/models")).json()
-                self.max_context = int(models["data"][0]["max_model_len"])
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+        try:
+            models = (await self._client.get("/v1/models")).json()
+            context_len = int(models["data"][0]["max_model_len"])
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as err:
+            if self.max_context is None:
                 raise BackendFailure(
                     f"could not read the context length from {self.url}/v1/models ({err}); "
                     "pass --max-context"
                 ) from err
+            return  # the given limit stands: it cannot be checked against the server's
+        longest = context_len - 1  # SGLang refuses len(input_ids) >= context_len
+        self.max_context = longest if self.max_context is None else min(self.max_context, longest)
 
     async def stop(self) -> None:
         if self._client is not None:
@@ -125,8 +130,7 @@ class SGLangBackend:
                     "temperature-scaled, so temperature must be 1 unless top_k > 0 (then "
                     "log-probs are renormalized over the top-k plus the scored token)"
                 )
-        if self.pending + len(items) > self.max_queue:
-            raise Overloaded(f"{self.pending} items in flight (bound {self.max_queue})")
+        admit(self.pending, len(items), self.max_queue)
         self.pending += len(items)
         try:
             return list(await asyncio.gather(*(self._score_one(item) for item in items)))

@@ -8,7 +8,8 @@ managers/schedule_batch.py; earlier 0.5 releases answer the same shapes):
   logprob null; `input_top_logprobs` has null at entry 0 and k triples elsewhere; prompt
   log-probs are NOT temperature-scaled; `cached_tokens` counts a prefix reused from earlier
   requests, at most logprob_start_len; ids are not range-checked; logprob_start_len past
-  the input is a 400 with an "error" object.
+  the input is a 400 with an "error" object, and so is an input of context_length ids or
+  more (TokenizerManager._validate_one_request: `len(input_ids) >= context_len`).
 - POST /generate, generation: `output_ids`, and `meta_info.output_token_logprobs` (the
   temperature-scaled log-probs, as SGLang's sampler returns them) only with
   `return_logprob`; `meta_info.id` is the request's `rid` (a fresh uuid hex when absent).
@@ -205,6 +206,12 @@ def create_standin(
         state.received_headers.append(dict(request.headers))
         ids: list[int] = body["input_ids"]
         params = body.get("sampling_params", {})
+        if len(ids) >= context_length:
+            message = (
+                f"The input ({len(ids)} tokens) is longer than the model's context length "
+                f"({context_length} tokens)."
+            )
+            return JSONResponse({"error": {"message": message}}, status_code=400)
         if params.get("max_new_tokens", 16) > 0:
             running = GenerateRequest(rid=body.get("rid") or uuid.uuid4().hex)
             return_logprob = bool(body.get("return_logprob", False))

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import random
-from collections.abc import Iterator
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,9 +19,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from transformers import DynamicCache
 
 from slime_ext.local.factory import build_checkpoint
-from teacher_server.api import ScoreItem
+from teacher_server.api import ScoreItem, ScoreRequest
 from teacher_server.app import create_app
 from teacher_server.client import (
     TeacherBadRequest,
@@ -22,8 +30,10 @@ from teacher_server.client import (
     TeacherOverloaded,
     TeacherUnauthorized,
 )
+from teacher_server.guards import default_max_body_bytes
 from teacher_server.hf_backend import HFBackend
 from teacher_server.metrics import ServerMetrics
+from teacher_server.session_cache import SessionCache, SessionState
 from tests.live_server import serve_in_thread
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -40,6 +50,7 @@ class Teacher:
 def _start(model_dir: Path, **options: Any) -> Iterator[Teacher]:
     metrics = ServerMetrics()
     api_key = options.pop("api_key", None)
+    max_body_bytes = options.pop("max_body_bytes", None)
     backend = HFBackend(model_dir, metrics, **options)
     computed = [0]
     embed = backend.scorer.model.get_input_embeddings()
@@ -47,7 +58,7 @@ def _start(model_dir: Path, **options: Any) -> Iterator[Teacher]:
     embed.register_forward_hook(
         lambda _m, args, _o: computed.__setitem__(0, computed[0] + args[0].numel())
     )
-    with serve_in_thread(create_app(backend, metrics, api_key)) as url:
+    with serve_in_thread(create_app(backend, metrics, api_key, max_body_bytes)) as url:
         yield Teacher(url, backend, backend.scorer.model, computed)
 
 
@@ -247,18 +258,100 @@ def test_bad_requests_do_not_poison_a_concurrent_batch(full_teacher: Teacher) ->
 
 
 def test_queue_bound_answers_503_with_retry_after(full_teacher: Teacher) -> None:
-    items = [ScoreItem(input_ids=[1, 2, 3], span_start=1).model_dump()] * 65  # bound is 64
+    """A request that fits the queue (bound 64) but not beside the items already queued."""
+    batcher = full_teacher.backend.batcher
+    release = threading.Event()
+    run_batch = batcher.run_batch
+
+    def held(items: list[ScoreItem]) -> list[Any]:
+        release.wait(timeout=60)
+        return run_batch(items)
+
+    items = [ScoreItem(input_ids=[1, 2, 3], span_start=1).model_dump()] * 40
+    batcher.run_batch = held
+    try:
+        with httpx.Client(base_url=full_teacher.url, timeout=60) as http:
+            first: list[httpx.Response] = []
+            queued = threading.Thread(
+                target=lambda: first.append(http.post("/v1/score", json={"requests": items}))
+            )
+            queued.start()
+            while batcher.pending < 40:
+                assert queued.is_alive()
+                time.sleep(0.01)
+            response = http.post("/v1/score", json={"requests": items})
+            assert response.status_code == 503
+            assert response.headers["Retry-After"] == "1"
+            with pytest.raises(TeacherOverloaded, match="still overloaded after 1 retries"):
+                _score(
+                    full_teacher.url,
+                    [ScoreItem(input_ids=[1, 2, 3], span_start=1)] * 40,
+                    retries=1,
+                    backoff_s=0.01,
+                )
+            release.set()
+            queued.join(timeout=60)
+        assert first[0].status_code == 200  # the queued request itself is served
+    finally:
+        release.set()
+        batcher.run_batch = run_batch
+
+
+class CountingTransport(httpx.AsyncHTTPTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests += 1
+        return await super().handle_async_request(request)
+
+
+def test_more_items_than_the_queue_holds_is_413_and_never_retried(full_teacher: Teacher) -> None:
+    """It used to be a 503 that clients retried forever: no wait makes 65 items fit in 64."""
+    item = ScoreItem(input_ids=[1, 2, 3], span_start=1)
     with httpx.Client(base_url=full_teacher.url) as http:
-        response = http.post("/v1/score", json={"requests": items})
-    assert response.status_code == 503
-    assert response.headers["Retry-After"] == "1"
-    with pytest.raises(TeacherOverloaded, match="still overloaded after 1 retries"):
-        _score(
-            full_teacher.url,
-            [ScoreItem(input_ids=[1, 2, 3], span_start=1)] * 65,
-            retries=1,
-            backoff_s=0.01,
-        )
+        response = http.post("/v1/score", json={"requests": [item.model_dump()] * 65})
+    assert response.status_code == 413
+    assert "65 items in one request, at most 64" in response.json()["detail"]
+    transport = CountingTransport()
+    with pytest.raises(TeacherBadRequest, match="at most 64"):
+        _score(full_teacher.url, [item] * 65, transport=transport, backoff_s=0.01)
+    assert transport.requests == 1
+    assert len(_score(full_teacher.url, [item] * 64)) == 64  # at the bound: served
+
+
+def test_temperature_is_bounded_to_finite_answers(full_teacher: Teacher) -> None:
+    """A tiny temperature gave NaN (sent as null against a float schema), a huge integer a
+    500: both are 422 now, and the bounds themselves are served with finite log-probs."""
+    ids = _ids(13, 24)
+    good = {"input_ids": ids, "span_start": 16, "top_k": 3}
+    with httpx.Client(base_url=full_teacher.url) as http:
+        for temperature in (1e-3, 1e-300, 100.5, 10**400):
+            response = http.post(
+                "/v1/score", json={"requests": [{**good, "temperature": temperature}]}
+            )
+            assert response.status_code == 422, (temperature, response.text)
+            assert "requests.0.temperature" in response.json()["detail"]
+        for literal in ("NaN", "Infinity", "-Infinity"):
+            body = json.dumps({"requests": [good]})[:-2] + f', "temperature": {literal}}}]}}'
+            response = http.post(
+                "/v1/score", content=body, headers={"content-type": "application/json"}
+            )
+            assert response.status_code == 422, (literal, response.text)
+        trajectory = {"trunk_ids": ids, "turns": [{"context_len": 8, "span_ids": [1, 2]}]}
+        response = http.post("/v1/score_trajectory", json={**trajectory, "temperature": 1e-3})
+        assert response.status_code == 422 and "temperature" in response.json()["detail"]
+        for temperature in (0.01, 100):
+            response = http.post(
+                "/v1/score", json={"requests": [{**good, "temperature": temperature}]}
+            )
+            assert response.status_code == 200, response.text
+            [result] = response.json()["results"]
+            chosen, _ = _direct(full_teacher.model, ids, 16, temperature)
+            assert all(math.isfinite(value) for value in result["logprobs"])
+            assert torch.allclose(torch.tensor(result["logprobs"]), chosen, atol=1e-3)
+            assert all(math.isfinite(v) for row in result["top_k_logprobs"] for v in row)
 
 
 def test_sessions_are_dropped_and_info_reports_the_model(
@@ -324,3 +417,146 @@ def test_api_key_is_required_when_configured(full_dir: Path) -> None:
 def test_client_raises_typed_errors(full_teacher: Teacher) -> None:
     with pytest.raises(TeacherBadRequest, match="outside the vocabulary"):
         _score(full_teacher.url, [ScoreItem(input_ids=[1, 10**6], span_start=1)])
+
+
+def _headers_only(url: str, path: str, headers: dict[str, str], timeout_s: float = 10) -> bytes:
+    """Send a POST's headers, none of its body, and read the status line: an answer can
+    only come from a server that decided without the body."""
+    host, port = url.removeprefix("http://").split(":")
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", *(f"{k}: {v}" for k, v in headers.items())]
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+class StreamedBody:
+    """A request body in 64 KiB chunks that records how many bytes the server pulled."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+        self.consumed = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while self.consumed < self.total_bytes:
+            self.consumed += 2**16
+            yield b" " * 2**16
+
+
+def _asgi_post(app: Any, body: StreamedBody, headers: dict[str, str]) -> httpx.Response:
+    """In process: httpx's ASGI transport hands the app each chunk only when it asks."""
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://teacher") as http:
+            return await http.post("/v1/score", content=body, headers=headers)
+
+    return asyncio.run(run())
+
+
+def test_unauthenticated_requests_are_refused_before_the_body_is_read(
+    full_teacher: Teacher, full_dir: Path
+) -> None:
+    """The key used to be checked after the whole body was read and parsed: 50 MB from
+    anyone held the event loop and hundreds of MB of memory."""
+    declared = {"Content-Type": "application/json", "Content-Length": str(50 * 2**20)}
+    for teacher in _start(full_dir, api_key="s3cret"):
+        status = _headers_only(teacher.url, "/v1/score", declared)
+        assert status.startswith(b"HTTP/1.1 401"), status
+        wrong = {**declared, "Authorization": "Bearer wrong"}
+        assert _headers_only(teacher.url, "/v1/score", wrong).startswith(b"HTTP/1.1 401")
+        # the positive control: the key opens the door, and nothing else changed
+        item = ScoreItem(input_ids=[1, 2, 3], span_start=1)
+        assert len(_score(teacher.url, [item], api_key="s3cret")[0].logprobs) == 2
+        assert httpx.get(f"{teacher.url}/metrics").status_code == 200
+    app = create_app(full_teacher.backend, ServerMetrics(), api_key="s3cret")
+    body = StreamedBody(50 * 2**20)
+    response = _asgi_post(app, body, {"Content-Type": "application/json"})
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert body.consumed == 0
+
+
+def test_bodies_over_the_limit_are_413_without_reading_past_it(
+    full_teacher: Teacher, full_dir: Path
+) -> None:
+    limit = 2**16
+    for teacher in _start(full_dir, api_key="s3cret", max_body_bytes=limit):
+        declared = {
+            "Authorization": "Bearer s3cret",
+            "Content-Type": "application/json",
+            "Content-Length": str(limit + 1),
+        }
+        status = _headers_only(teacher.url, "/v1/score", declared)
+        assert status.startswith(b"HTTP/1.1 413"), status
+        # the positive control: a body just under the limit is read and scored
+        item = ScoreItem(input_ids=_ids(17, 30), span_start=20)
+        items = [item] * 200
+        size = len(json.dumps({"requests": [i.model_dump() for i in items]}))
+        assert limit / 2 < size < limit
+        assert len(_score(teacher.url, items, api_key="s3cret")) == 200
+    # chunked (no Content-Length): counted while it streams, refused once past the limit
+    app = create_app(full_teacher.backend, ServerMetrics(), max_body_bytes=limit)
+    body = StreamedBody(50 * 2**20)
+    response = _asgi_post(app, body, {"Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert f"at most {limit}" in response.json()["detail"]
+    assert body.consumed <= limit + 2**16
+
+
+def test_the_default_body_limit_fits_a_full_batch_of_max_context_items(
+    full_teacher: Teacher,
+) -> None:
+    for info in (
+        full_teacher.backend.info(),
+        full_teacher.backend.info().model_copy(
+            update={"vocab_size": 151_936, "max_context": 65_536, "max_batch_size": 64}
+        ),
+    ):
+        item = ScoreItem(
+            input_ids=[info.vocab_size - 1] * info.max_context,
+            span_start=1,
+            top_k=info.max_top_k,
+            session_id="s" * 256,
+            temperature=0.123456789,
+        )
+        batch = ScoreRequest(requests=[item] * info.max_batch_size).model_dump(mode="json")
+        assert len(json.dumps(batch).encode()) <= default_max_body_bytes(info)
+    assert default_max_body_bytes(full_teacher.backend.info()) < 50 * 2**20
+
+
+def _churn(sessions: SessionCache, config: Any, stop: threading.Event) -> None:
+    """What the scoring thread and DELETE /v1/sessions do to the table, as fast as it goes."""
+    index = 0
+    while not stop.is_set():
+        sessions.put(f"churn-{index}", SessionState(ids=[], cache=DynamicCache(config=config)))
+        sessions.drop(f"churn-{index - 50}")
+        index += 1
+
+
+def test_metrics_answer_while_sessions_come_and_go(full_dir: Path) -> None:
+    """/metrics summed the session table while the scoring thread changed it: a 500
+    ("dictionary changed size during iteration") under session churn."""
+    for teacher in _start(full_dir):
+        sessions, config = teacher.backend.scorer.sessions, teacher.model.config
+        for index in range(5000):
+            sessions.put(
+                f"resident-{index}", SessionState(ids=[], cache=DynamicCache(config=config))
+            )
+        stop = threading.Event()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # hand the GIL over often: races show up in a second
+        worker = threading.Thread(target=_churn, args=(sessions, config, stop))
+        worker.start()
+        try:
+            with httpx.Client(base_url=teacher.url) as http:
+                statuses = [http.get("/metrics").status_code for _ in range(100)]
+                item = ScoreItem(input_ids=_ids(19, 20), span_start=10, session_id="live")
+                assert len(_score(teacher.url, [item])[0].logprobs) == 10  # scoring still works
+                assert http.delete("/v1/sessions/live").json()["deleted"] is True
+        finally:
+            stop.set()
+            worker.join()
+            sys.setswitchinterval(switch)
+        assert statuses == [200] * 100, Counter(statuses)
+        text = httpx.get(f"{teacher.url}/metrics").text
+        assert f"opd_teacher_sessions {len(sessions)}" in text

@@ -163,7 +163,58 @@ def test_context_length_comes_from_the_server(teacher_url: str) -> None:
             return await teacher.info()
 
     info = asyncio.run(run())
-    assert info.backend == "sglang" and info.max_context == 1024
+    # the server's context length is 1024; SGLang refuses an input of that many ids
+    assert info.backend == "sglang" and info.max_context == 1023
+
+
+def test_an_input_of_the_context_length_is_a_400_not_an_upstream_failure(
+    teacher_url: str, standin_url: str
+) -> None:
+    """SGLang refuses len(input_ids) >= context_len; our check let exactly context_len
+    through, and SGLang's refusal came back as a server error."""
+    ids = [(i * 29 + 3) % 800 for i in range(1024)]
+    calls_before = len(httpx.get(f"{standin_url}/standin/headers").json())
+    with httpx.Client(base_url=teacher_url) as http:
+        refused = http.post(
+            "/v1/score", json={"requests": [{"input_ids": ids, "span_start": 1000}]}
+        )
+        assert refused.status_code == 400, refused.text
+        assert "1024 ids exceed the max context of 1023" in refused.json()["detail"]
+        assert len(httpx.get(f"{standin_url}/standin/headers").json()) == calls_before
+        served = http.post(
+            "/v1/score", json={"requests": [{"input_ids": ids[:1023], "span_start": 1000}]}
+        )
+    assert served.status_code == 200, served.text
+    assert len(served.json()["results"][0]["logprobs"]) == 23
+    upstream = httpx.post(  # the stand-in holds SGLang's rule, so the boundary is real
+        f"{standin_url}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "logprob_start_len": 999},
+    )
+    assert upstream.status_code == 400
+    assert "longer than the model's context length (1024" in upstream.json()["error"]["message"]
+
+
+def test_a_given_max_context_is_clamped_to_what_sglang_accepts(
+    model_dir: Path, standin_url: str
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    backend = SGLangBackend(
+        standin_url,
+        tokenizer,
+        ServerMetrics(),
+        model_name=str(model_dir),
+        tokenizer_identity=tokenizer_identity(tokenizer),
+        max_context=4096,
+    )
+
+    async def run() -> int:
+        await backend.start()
+        try:
+            return backend.info().max_context
+        finally:
+            await backend.stop()
+
+    assert asyncio.run(run()) == 1023
 
 
 def _real_sglang_url() -> str | None:
