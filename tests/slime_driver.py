@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,21 @@ def rollout_manager(args: Any, groups: list[Any], dp_size: int = 1) -> Any:
         "microbatch_group_size_per_vp_stage": 1,
     }
     return manager
+
+
+def run_ranks(rank: Callable[..., None], world: int, layout: Any, directory: Path) -> list[Any]:
+    """Spawn `world` gloo ranks: `rank(index, world, port, layout, directory)` saves its
+    results to directory/rank<index>.pt; they are returned in rank order."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from tests.live_server import free_port
+
+    mp.start_processes(
+        rank, args=(world, free_port(), layout, str(directory)), nprocs=world, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def split_by_dp(manager: Any, data: dict[str, Any]) -> list[Any]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests import slime_cpu
-from tests.slime_driver import require_slime
+from tests.slime_driver import require_slime, run_ranks
 
 require_slime()
 
@@ -324,12 +324,7 @@ def test_megatron_training_steps_equal_the_single_process_reference(
         {"args": args, "boxes": boxes, "initial": reference_run["initial"], "runs": runs},
         tmp_path / "case.pt",
     )
-    world = tp * cp * dp
-    mp.start_processes(
-        _rank, args=(world, free_port(), layout, str(tmp_path)), nprocs=world, join=True,
-        start_method="spawn",
-    )  # fmt: skip
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    ranks = run_ranks(_rank, tp * cp * dp, layout, tmp_path)
     if dp > 1:  # one trajectory's turns train on two DP ranks, and weigh as in the reference
         rollouts_by_rank = [
             {samples[i].rollout_id for i in r["plain"]["partition"]}

@@ -36,10 +36,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests import slime_cpu
-from tests.slime_driver import require_slime, rollout_manager, slime_args, split_by_dp
+from tests.slime_driver import require_slime, rollout_manager, run_ranks, slime_args, split_by_dp
 
 require_slime()
 
@@ -48,7 +47,6 @@ from rollout.trajectory import TrajectoryStatus  # noqa: E402
 from slime_ext.sft_data import turn_records, write_records  # noqa: E402
 from slime_ext.slime.samples import to_samples  # noqa: E402
 from slime_ext.slime.settings import HookConfigError  # noqa: E402
-from tests.live_server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
@@ -446,12 +444,7 @@ def test_every_recipe_through_slimes_own_data_path_equals_the_reference(
     tp, cp, dp = layout
     cases, expected = _cases(tmp_path, trajectories, layout, vocab)
     torch.save(cases, tmp_path / "cases.pt")
-    world = tp * cp * dp
-    mp.start_processes(
-        _rank, args=(world, free_port(), layout, str(tmp_path)), nprocs=world, join=True,
-        start_method="spawn",
-    )  # fmt: skip
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    ranks = run_ranks(_rank, tp * cp * dp, layout, tmp_path)
     for case, (recipe, _) in CASES.items():
         want = expected[case]
         results = [r[case] for r in ranks]
