@@ -96,7 +96,8 @@ def _ends_trajectory(error: BaseException) -> bool:
     propagate."""
     if isinstance(error, asyncio.CancelledError):
         task = asyncio.current_task()
-        return task is not None and task.cancelling() == 0
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+; 3.10 propagates all
+        return cancelling is not None and cancelling() == 0
     return isinstance(error, Exception)
 
 
