@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from teacher_server.api import ROUTING_HEADER, routing_key
+from teacher_server.api import ROUTING_HEADER, SGLANG_KEEP_ALIVE_S, routing_key
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -208,7 +208,9 @@ class SGLangPolicy:
         self._http = httpx.AsyncClient(
             base_url=url.rstrip("/"),
             timeout=timeout_s,
-            limits=httpx.Limits(max_connections=max_concurrency),
+            limits=httpx.Limits(
+                max_connections=max_concurrency, keepalive_expiry=SGLANG_KEEP_ALIVE_S
+            ),
             transport=transport,
         )
 

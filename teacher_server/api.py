@@ -12,6 +12,16 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 """The SGLang router's session header: one trajectory's requests to one engine (under the
 router's manual and consistent_hashing policies)."""
 MAX_ROUTING_KEY_LEN = 128
+SERVICE_KEEP_ALIVE_S = 75.0
+"""How long the teacher service keeps an idle connection open. Longer than any client of
+it keeps one (CLIENT_KEEP_ALIVE_S): with equal times (uvicorn's and httpx's defaults are
+both 5 s) a client reuses a connection just as the server closes it, and the request fails
+as a read error that no server fault caused."""
+CLIENT_KEEP_ALIVE_S = 30.0
+"""How long our clients of the teacher service keep an idle connection for reuse."""
+SGLANG_KEEP_ALIVE_S = 3.0
+"""How long our clients of SGLang keep an idle connection: SGLang's server closes one after
+5 s idle (uvicorn's timeout_keep_alive=5), so ours let go first."""
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 1e2
 """Temperatures accepted: within them fp32 log-softmax(logits / T) stays finite."""

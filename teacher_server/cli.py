@@ -72,6 +72,7 @@ def serve(
     """Serve POST /v1/score (see /docs for the API)."""
     import uvicorn
 
+    from teacher_server.api import SERVICE_KEEP_ALIVE_S
     from teacher_server.app import create_app
     from teacher_server.backend import ScoringBackend
     from teacher_server.metrics import ServerMetrics
@@ -121,6 +122,7 @@ def serve(
         host=host,
         port=port,
         log_level="warning",
+        timeout_keep_alive=int(SERVICE_KEEP_ALIVE_S),
     )
 
 

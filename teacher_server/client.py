@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from teacher_server.api import (
+    CLIENT_KEEP_ALIVE_S,
     ReloadRequest,
     ReloadResult,
     ScoreItem,
@@ -74,7 +75,9 @@ class TeacherClient:
             base_url=base_url.rstrip("/"),
             headers=headers,
             timeout=timeout_s,
-            limits=httpx.Limits(max_connections=max_concurrency),
+            limits=httpx.Limits(
+                max_connections=max_concurrency, keepalive_expiry=CLIENT_KEEP_ALIVE_S
+            ),
             transport=transport,
         )
         self._semaphore = asyncio.Semaphore(max_concurrency)

@@ -22,6 +22,7 @@ import httpx
 
 from teacher_server.api import (
     ROUTING_HEADER,
+    SGLANG_KEEP_ALIVE_S,
     ReloadResult,
     ScoreItem,
     ScoreResult,
@@ -74,7 +75,9 @@ class SGLangBackend:
         )
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=self.max_concurrency * 2)
+        limits = httpx.Limits(
+            max_connections=self.max_concurrency * 2, keepalive_expiry=SGLANG_KEEP_ALIVE_S
+        )
         self._client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
         try:
             models = (await self._client.get("/v1/models")).json()

@@ -11,6 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from teacher_server.api import SERVICE_KEEP_ALIVE_S
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -23,7 +25,14 @@ def serve_in_thread(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
     """Yields the base URL; stops the server (running its shutdown) on exit."""
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=int(SERVICE_KEEP_ALIVE_S),
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -19,8 +19,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from rollout.policy import SGLangPolicy
 from slime_ext.local.factory import build_checkpoint
-from teacher_server.api import ScoreItem
+from teacher_server.api import CLIENT_KEEP_ALIVE_S, SERVICE_KEEP_ALIVE_S, ScoreItem
 from teacher_server.app import create_app
 from teacher_server.client import TeacherClient, TeacherOverloaded, TeacherUnavailable
 from teacher_server.hf_backend import HFBackend
@@ -93,6 +94,22 @@ def _flaky_upstream(failures: int) -> FastAPI:
         return {"results": [{"logprobs": [-1.0, -2.0], "cached_tokens": 0}]}
 
     return app
+
+
+def test_clients_let_idle_connections_go_before_the_servers_close_them() -> None:
+    # equal times (uvicorn's and httpx's defaults, 5 s) race: a pooled connection is
+    # reused as the server closes it, a read error no server fault caused
+    async def pool_expiry() -> float:
+        async with TeacherClient("http://127.0.0.1:1") as teacher:
+            return float(teacher._http._transport._pool._keepalive_expiry)  # type: ignore[attr-defined]
+
+    assert asyncio.run(pool_expiry()) == CLIENT_KEEP_ALIVE_S < SERVICE_KEEP_ALIVE_S
+    policy = SGLangPolicy("http://127.0.0.1:1")
+    try:
+        expiry = policy._http._transport._pool._keepalive_expiry  # type: ignore[attr-defined]
+        assert expiry < 5  # SGLang's uvicorn.run(timeout_keep_alive=5)
+    finally:
+        asyncio.run(policy.close())
 
 
 def test_client_retries_503_then_succeeds_or_gives_up() -> None:
@@ -170,7 +187,8 @@ def test_load_64_clients_only_503_under_overload(live_teacher: tuple[str, HFBack
             context = (context + span[:4] + [rng.randrange(800) for _ in range(8)])[-200:]
 
     async def run() -> None:
-        limits = httpx.Limits(max_connections=64)
+        # as TeacherClient: idle connections let go before the service closes them
+        limits = httpx.Limits(max_connections=64, keepalive_expiry=CLIENT_KEEP_ALIVE_S)
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as http:
             stop_at = time.monotonic() + LOAD_TEST_S
             await asyncio.gather(*(client(i, http, stop_at) for i in range(64)))
