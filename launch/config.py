@@ -24,13 +24,13 @@ from pydantic import (
 Recipe = Literal["opd", "opsd", "oprd", "ssd", "rl", "sft"]
 RECIPES_WITH_TEACHER: frozenset[str] = frozenset({"opd", "opsd", "oprd"})
 OPRD_ON_SLIME = (
-    "recipe 'oprd' on slime (a cluster job) needs algorithm.oprd_failure_loss: sampled: "
-    "slime's batch carries the teacher's log-prob of each sampled token (teacher_log_probs) "
-    "to a custom loss, but neither the teacher's full distribution (shared_support, whose "
-    "teacher runs in the local trainer's process) nor its per-token top-k (teacher_topk); "
-    "train those with the local trainer (`opd train`, parallel.gpus_per_node: 0)"
+    "recipe 'oprd' on slime (a cluster job) needs algorithm.oprd_failure_loss sampled or "
+    "teacher_topk (with teacher.top_k > 0): a cluster job's teacher is a service that gives "
+    "the log-prob of each sampled token and its top-k, not the full distribution "
+    "shared_support needs (its teacher runs in the local trainer's process); train "
+    "shared_support with the local trainer (`opd train`, parallel.gpus_per_node: 0)"
 )
-"""Why the slime hooks and the cluster launch refuse an OPRD failure loss other than sampled."""
+"""Why the slime hooks and the cluster launch refuse OPRD's shared_support failure loss."""
 
 
 class ConfigError(ValueError):
@@ -297,11 +297,11 @@ class AlgorithmConfig(Section):
     """OPRD's failure branch: shared_support (KL on the top-`oprd_support_k` ids of
     max(log p_S, log p_T), both renormalized; the teacher runs in the trainer's process,
     where both full distributions exist: local trainer only), teacher_topk (KL to the
-    teacher service's top-k with a tail bucket; needs teacher.top_k > 0; local trainer
-    only), or sampled (the sampled-token reverse KL k_t = log p_S(x_t) - log p_T(x_t) on
-    the student's own token, in policy-gradient form as recipe opd trains it: a one-token
-    estimate of the full-vocabulary reverse KL, not the paper's shared-support KL; the
-    only signal slime's batch carries to a custom loss, so the one a cluster job uses)."""
+    teacher service's top-k with a tail bucket; needs teacher.top_k > 0; local and
+    cluster), or sampled (the sampled-token reverse KL k_t = log p_S(x_t) - log p_T(x_t)
+    on the student's own token, in policy-gradient form as recipe opd trains it: a
+    one-token estimate of the full-vocabulary reverse KL, not the paper's shared-support
+    KL; the cheapest signal, k x 8 bytes per token less than teacher_topk on a cluster)."""
     oprd_support_k: int = Field(default=100, ge=1)
     """OPRD shared_support: size of the shared support U (the paper: 100)."""
     sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"
@@ -435,6 +435,15 @@ class JobConfig(Section):
                 f"than rollout.max_context_tokens ({self.rollout.max_context_tokens})"
             )
         return self
+
+    @property
+    def needs_teacher_topk(self) -> bool:
+        """Whether the loss reads the teacher's top-k: OPD / OPSD with a top-k opd_loss,
+        OPRD with the teacher_topk failure loss."""
+        algorithm = self.algorithm
+        if algorithm.recipe in ("opd", "opsd"):
+            return algorithm.opd_loss != "sampled"
+        return algorithm.recipe == "oprd" and algorithm.oprd_failure_loss == "teacher_topk"
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:

@@ -34,6 +34,7 @@ from launch.slime_flags import (
     extra_args_problems,
     router_policy_args,
 )
+from teacher_server.api import DEFAULT_MAX_TOP_K
 from teacher_server.snapshot_sync import converter_problem, slime_converter, snapshot_steps
 
 HOOKS = "slime_ext.slime"
@@ -104,7 +105,7 @@ def check_cluster(job: JobConfig) -> None:
     if job.cluster.save_dir is None:
         problems.append("cluster.save_dir: where this run's Megatron checkpoints go")
     recipe = job.algorithm.recipe
-    if recipe == "oprd" and job.algorithm.oprd_failure_loss != "sampled":
+    if recipe == "oprd" and job.algorithm.oprd_failure_loss == "shared_support":
         problems.append(f"algorithm.oprd_failure_loss: {OPRD_ON_SLIME}")
     if job.cluster.tasks_file is None:
         problems.append(
@@ -131,10 +132,6 @@ def check_cluster(job: JobConfig) -> None:
             )
         if teacher.node is not None and teacher.model is None:
             problems.append("teacher.model: the checkpoint `opd launch` serves on teacher.node")
-        if recipe != "oprd" and job.algorithm.opd_loss != "sampled":
-            problems.append(
-                "algorithm.opd_loss: slime's batch carries no per-token top-k; use sampled"
-            )
     problems += _sampling_problems(job)
     problems += extra_args_problems(job)
     if problems:
@@ -294,6 +291,8 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
             serve += ["--sglang-url", "http://127.0.0.1:30000"]
         else:
             serve += ["--device", "cuda", "--dtype", "bfloat16"]
+        if teacher.top_k > DEFAULT_MAX_TOP_K:  # the service refuses a larger top_k (422)
+            serve += ["--max-top-k", str(teacher.top_k)]
         serve += teacher.serve_args
         env = ""
         if teacher.api_key_env:
@@ -437,6 +436,7 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
         "--loss-type", "custom_loss",
         "--custom-loss-function-path", f"{HOOKS}.loss.loss",
         "--custom-rollout-log-function-path", f"{HOOKS}.metrics.log_rollout",
+        *(["--custom-megatron-init-path", f"{HOOKS}.topk.init"] if job.needs_teacher_topk else []),
         "--optimizer", "adam",
         "--lr", str(algorithm.lr),
         "--lr-decay-style", "constant",

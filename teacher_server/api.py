@@ -12,6 +12,8 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 """The SGLang router's session header: one trajectory's requests to one engine (under the
 router's manual and consistent_hashing policies)."""
 MAX_ROUTING_KEY_LEN = 128
+DEFAULT_MAX_TOP_K = 100
+"""The largest top_k a service accepts unless started with another --max-top-k."""
 SERVICE_KEEP_ALIVE_S = 75.0
 """How long the teacher service keeps an idle connection open. Longer than any client of
 it keeps one (CLIENT_KEEP_ALIVE_S): with equal times (uvicorn's and httpx's defaults are

@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 import typer
 
+from teacher_server.api import DEFAULT_MAX_TOP_K
+
 app = typer.Typer(
     name="opd-teacher",
     help="The standalone teacher log-prob service.",
@@ -48,7 +50,7 @@ def serve(
     device: Annotated[str, typer.Option(help="hf: torch device.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="hf: float32, bfloat16 or float16.")] = "float32",
     max_context: Annotated[int | None, typer.Option(help="Longest input accepted.")] = None,
-    max_top_k: Annotated[int, typer.Option(help="Largest top_k accepted.")] = 100,
+    max_top_k: Annotated[int, typer.Option(help="Largest top_k accepted.")] = DEFAULT_MAX_TOP_K,
     max_batch_size: Annotated[int, typer.Option(help="Items per forward (hf).")] = 32,
     max_wait_ms: Annotated[float, typer.Option(help="Batch collection window (hf).")] = 5.0,
     max_queue: Annotated[

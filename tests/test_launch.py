@@ -187,7 +187,6 @@ def _opsd_job(**sections: Any) -> Any:
         ),
         ({"teacher": {"node": None}}, "set teacher.node .* or teacher.url"),
         ({"teacher": {"model": None}}, "teacher.model: the checkpoint"),
-        ({"teacher": {"top_k": 8}, "algorithm": {"opd_loss": "topk_tail"}}, "use sampled"),
     ],
 )
 def test_opsd_cluster_checks_say_what_to_fix(sections: dict, message: str) -> None:
@@ -326,11 +325,7 @@ def test_oprd_plan_serves_and_refreshes_the_snapshot_and_routes_branches_in_adva
         (
             {"algorithm": {"oprd_failure_loss": "shared_support"}},
             "algorithm.oprd_failure_loss: recipe 'oprd' on slime .* needs "
-            "algorithm.oprd_failure_loss: sampled",
-        ),
-        (
-            {"algorithm": {"oprd_failure_loss": "teacher_topk"}, "teacher": {"top_k": 8}},
-            "neither the teacher's full distribution .* nor its per-token top-k",
+            "algorithm.oprd_failure_loss sampled or teacher_topk",
         ),
         ({"teacher": {"api_key_env": None}}, "teacher.api_key_env: teacher.snapshot 'refresh'"),
         ({"teacher": {"node": None}}, "set teacher.node .* or teacher.url"),
@@ -356,7 +351,6 @@ def _cluster_job(**sections: Any) -> Any:
         ({"cluster": {"save_dir": None}}, "cluster.save_dir"),
         ({"cluster": {"tasks_file": None}}, "cluster.tasks_file"),
         ({"teacher": {"model": None}}, "teacher.model: the checkpoint"),
-        ({"teacher": {"top_k": 8}, "algorithm": {"opd_loss": "topk_tail"}}, "use sampled"),
     ],
 )
 def test_cluster_checks_say_what_to_fix(sections: dict, message: str) -> None:
@@ -576,7 +570,8 @@ RECIPE_CONFIGS: dict[str, tuple[Path, list[str]]] = {
     ("recipe", "overrides", "refusal"),
     [
         *((recipe, [], None) for recipe in RECIPE_CONFIGS),
-        ("opd", ["teacher.top_k=8", "algorithm.opd_loss=topk_tail"], "use sampled"),
+        ("opd", ["teacher.top_k=8", "algorithm.opd_loss=topk_tail"], None),
+        ("oprd", ["algorithm.oprd_failure_loss=shared_support"], "needs algorithm.oprd"),
         ("opd", ["cluster.workers=[train-node-1]"], "3 more training node"),
         ("opd", ["rollout.top_p=0.9"], "rollout.top_p 0.9"),
         ("rl", ["rollout.top_p=0.95"], "rollout.top_p 0.95"),
@@ -623,6 +618,33 @@ def test_validate_accepts_a_cluster_config_iff_launch_dry_run_does(
     problems = validate.output.split("\n", 1)[1]
     assert problems == dry_run.output.split("\n", 1)[1]
     assert re.search(refusal, problems), problems
+
+
+@pytest.mark.parametrize(
+    ("config", "settings"),
+    [
+        (EXAMPLE, ["teacher.top_k=32", "algorithm.opd_loss=topk_tail"]),
+        (OPSD_EXAMPLE, ["teacher.top_k=8", "algorithm.opd_loss=topk_renorm"]),
+        (OPRD_EXAMPLE, ["teacher.top_k=8", "algorithm.oprd_failure_loss=teacher_topk"]),
+    ],
+    ids=["opd", "opsd", "oprd"],
+)
+def test_dry_run_runs_top_k_losses_on_slime_with_the_hook_that_carries_the_rows(
+    config: Path, settings: list[str]
+) -> None:
+    """A top-k loss launches: slime's Megatron ranks get topk.init (which extends the
+    training step's batch keys), the teacher service accepts the job's top_k; a sampled
+    loss adds nothing."""
+    sets = [arg for item in settings for arg in ("--set", item)]
+    topk = CliRunner().invoke(app, ["launch", str(config), *sets, "--dry-run"])
+    assert topk.exit_code == 0, topk.output
+    assert "--custom-megatron-init-path slime_ext.slime.topk.init" in topk.output
+    sampled = CliRunner().invoke(app, ["launch", str(config), "--dry-run"])
+    assert sampled.exit_code == 0 and "topk.init" not in sampled.output
+    if config == EXAMPLE:
+        wide = ["--set", "teacher.top_k=128", "--set", "algorithm.opd_loss=topk_tail"]
+        plan = CliRunner().invoke(app, ["launch", str(config), *wide, "--dry-run"])
+        assert plan.exit_code == 0 and "--max-top-k 128" in plan.output
 
 
 def test_sbatch_takes_its_nodes_from_the_allocation(tmp_path: Path) -> None:

@@ -102,11 +102,33 @@ def test_teacher_logprobs_of_the_wrong_length_are_refused(
         _call(_args(), batch, logits)
 
 
-def test_topk_losses_are_refused_on_slime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_topk_loss_checks_the_rows_it_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the rows (slime not extended by topk.init) the loss names the hook; rows
+    that do not fit their samples are refused; fitting rows give the KL and its metric."""
+    from slime_ext.slime.topk import TOPK_IDS, TOPK_LOGPROBS, TopKError
+
     monkeypatch.setenv("OPD_JOB_CONFIG", str(_job_yaml(tmp_path, extra="\n  opd_loss: topk_tail")))
     batch, logits = _batch()
-    with pytest.raises(HookConfigError, match="top-k"):
+    with pytest.raises(HookConfigError, match="custom-megatron-init-path"):
         _call(_args(), batch, logits)
+    generator = torch.Generator().manual_seed(1)
+    lengths = batch["response_lengths"]
+    batch[TOPK_IDS] = [torch.randint(0, VOCAB, (r, 4), generator=generator) for r in lengths]
+    batch[TOPK_LOGPROBS] = [-3 - torch.rand(r, 4, generator=generator) for r in lengths]
+    loss, metrics = _call(_args(), batch, logits)
+    assert float(loss) > 0 and float(metrics["teacher_topk_kl"]) == pytest.approx(float(loss))
+    loss.backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    short = dict(batch, **{TOPK_IDS: [t[:-1] for t in batch[TOPK_IDS]]})
+    with pytest.raises(TopKError, match="top-k ids"):
+        _call(_args(), short, logits)
+    narrow = dict(batch)
+    narrow[TOPK_IDS] = [t[:, :2] for t in batch[TOPK_IDS]]
+    narrow[TOPK_LOGPROBS] = [t[:, :2] for t in batch[TOPK_LOGPROBS]]
+    with pytest.raises(TopKError, match="teacher.top_k 4"):
+        _call(_args(), narrow, logits)
 
 
 def test_oprd_loss_without_branch_shares_names_the_missing_hook(

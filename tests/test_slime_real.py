@@ -51,13 +51,19 @@ from slime_ext.slime.settings import HookConfigError  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 RECIPES = ("opd", "opsd", "oprd", "rl", "sft", "ssd")
-CASES = {
-    **{recipe: (recipe, []) for recipe in RECIPES},
+CASES: dict[str, tuple[str, list[str], dict[str, Any]]] = {
+    **{recipe: (recipe, [], {}) for recipe in RECIPES},
     # extra_train_args that `opd launch` lets through and that change what reaches the hooks
-    "opd --use-rollout-logprobs": ("opd", ["--use-rollout-logprobs"]),
-    "rl --disable-rewards-normalization": ("rl", ["--disable-rewards-normalization"]),
+    "opd --use-rollout-logprobs": ("opd", ["--use-rollout-logprobs"], {}),
+    "rl --disable-rewards-normalization": ("rl", ["--disable-rewards-normalization"], {}),
+    # the teacher's top-k, carried by slime_ext.slime.topk
+    "opd topk_tail": ("opd", [], {"opd_loss": "topk_tail"}),
+    "opsd topk_renorm": ("opsd", [], {"opd_loss": "topk_renorm"}),
+    "oprd teacher_topk": ("oprd", [], {"oprd_failure_loss": "teacher_topk"}),
 }
-"""Each case: the recipe and the cluster.extra_train_args its job carries."""
+"""Each case: the recipe, the cluster.extra_train_args and the algorithm settings of its job."""
+TOP_K = 4
+"""teacher.top_k of the top-k cases."""
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 1)]
 """(TP, CP, DP) of the gloo runs."""
 TEMPERATURE = 0.8
@@ -70,7 +76,12 @@ MAX_TOKENS_PER_GPU = 320
 ROLLOUTS = [(0, 0), (2, 0), (1, 1), ("aborted", 1), (0, 2), (1, 2)]
 
 
-def job_dict(recipe: str, tmp_path: Path, extra_args: list[str] | None = None) -> dict[str, Any]:
+def job_dict(
+    recipe: str,
+    tmp_path: Path,
+    extra_args: list[str] | None = None,
+    algorithm_settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A cluster job of `recipe` whose plan `opd launch` accepts."""
     teacher: dict[str, Any] = {"kind": "remote", "url": "http://127.0.0.1:9"}
     algorithm: dict[str, Any] = {"recipe": recipe, "kl_coef": KL_COEF, "steps": 2}
@@ -82,6 +93,11 @@ def job_dict(recipe: str, tmp_path: Path, extra_args: list[str] | None = None) -
             "oprd_success_weight": LAMBDA_POS,
             "oprd_failure_weight": LAMBDA_NEG,
         }
+    algorithm |= algorithm_settings or {}
+    if algorithm.get("opd_loss", "sampled") != "sampled" or (
+        algorithm.get("oprd_failure_loss") == "teacher_topk"
+    ):
+        teacher["top_k"] = TOP_K
     return {
         "model": {"student": str(tmp_path / "student")},
         "parallel": {
@@ -119,6 +135,7 @@ def rollout_groups(recipe: str, args: Any, tmp_path: Path, trajectories: list[An
     from slime.utils.types import Sample
 
     from slime_ext.slime.generate import loss_kind
+    from slime_ext.slime.settings import job_config
     from slime_ext.slime.sft_rollout import generate_rollout
 
     if recipe in ("sft", "ssd"):
@@ -127,6 +144,7 @@ def rollout_groups(recipe: str, args: Any, tmp_path: Path, trajectories: list[An
         write_records(data, records)
         args.opd_sft_data = str(data)
         return [generate_rollout(args, step, None) for step in range(2)]
+    job = job_config(args)
     groups: dict[int, list[list[Any]]] = defaultdict(list)
     for rollout_id, (which, group) in enumerate(ROLLOUTS):
         base = Sample(index=rollout_id, group_index=group, prompt="p", metadata={"source": "x"})
@@ -144,6 +162,7 @@ def rollout_groups(recipe: str, args: Any, tmp_path: Path, trajectories: list[An
             base,
             loss_kind=loss_kind(recipe, trajectory),
             with_teacher=recipe in ("opd", "opsd", "oprd"),
+            teacher_top_k=job.teacher.top_k if job.needs_teacher_topk else 0,
         )
         groups[group].append(samples)
     return [list(groups.values())]
@@ -170,24 +189,46 @@ def recipe_args(
     cp: int,
     vocab: int,
     extra_args: tuple[str, ...] | list[str] = (),
+    algorithm_settings: dict[str, Any] | None = None,
 ) -> Any:
-    job = config_from_dict(job_dict(recipe, directory, list(extra_args)))
+    job = config_from_dict(job_dict(recipe, directory, list(extra_args), algorithm_settings))
     return slime_args(job, directory, tp=tp, cp=cp, vocab=vocab)
 
 
 # --- the plain-torch reference -------------------------------------------------------------
 
 
+def topk_kl(logp: torch.Tensor, rows: Any, tail: bool) -> torch.Tensor:
+    """KL(p_S || p_T) on the teacher's top-k per row, restated in plain torch: the student's
+    log-probs [R, V] at the rows' ids, both sides renormalized on them, or both kept with one
+    bucket each for the rest of the mass (floored at 1e-8)."""
+    student = logp.gather(-1, rows.ids.long())
+    teacher = rows.logprobs.double()
+    if not tail:
+        student = student - student.logsumexp(-1, keepdim=True)
+        teacher = teacher - teacher.logsumexp(-1, keepdim=True)
+    kl = (student.exp() * (student - teacher)).sum(-1)
+    if tail:
+        rest_s = torch.log((1 - student.exp().sum(-1)).clamp(min=1e-8))
+        rest_t = torch.log((1 - teacher.exp().sum(-1)).clamp(min=1e-8))
+        kl = kl + rest_s.exp() * (rest_s - rest_t)
+    return kl
+
+
 def reference(
-    recipe: str, samples: list[Any], logits: list[torch.Tensor], args: Any
+    recipe: str, samples: list[Any], logits: list[torch.Tensor], args: Any, loss: str = "sampled"
 ) -> tuple[float, dict[str, float], list[torch.Tensor]]:
     """The objective summed over the optimizer steps (each step: its rollouts' per-trajectory
     token means, divided by the rollouts per step), its per-step metric means summed, and
-    d(objective)/d(each sample's logits), by plain torch on whole sequences."""
+    d(objective)/d(each sample's logits), by plain torch on whole sequences. `loss`: the KL
+    to the teacher, sampled or on its top-k (topk_tail / topk_renorm)."""
+    from slime_ext.slime.topk import of_sample
+
     step_rollouts = args.global_batch_size
     leaves = [x.clone().requires_grad_(True) for x in logits]
     order: list[int] = []
     parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]] = {}
+    top: dict[int, list[torch.Tensor]] = defaultdict(list)  # per rollout, each piece's KL
     for sample, x in zip(samples, leaves, strict=True):
         rid = sample.rollout_id
         if rid not in parts:
@@ -198,10 +239,13 @@ def reference(
         response = sample.response_length
         targets = torch.tensor(sample.tokens[-response:])
         rows = x[len(sample.tokens) - response - 1 : len(sample.tokens) - 1] / TEMPERATURE
-        student = torch.log_softmax(rows.double(), -1).gather(-1, targets[:, None])[:, 0]
+        logp = torch.log_softmax(rows.double(), -1)
+        student = logp.gather(-1, targets[:, None])[:, 0]
         teacher = torch.tensor(sample.teacher_log_probs or [0.0] * response, dtype=torch.float64)
         mask = torch.tensor(sample.loss_mask, dtype=torch.float64)
         parts[rid].append((student, teacher, mask, sample))
+        if loss != "sampled":
+            top[rid].append(topk_kl(logp, of_sample(sample), tail=loss == "topk_tail"))
     advantages = group_advantages(samples, normalized=args.rewards_normalization)
     objective = torch.zeros((), dtype=torch.float64)
     value = 0.0
@@ -214,6 +258,28 @@ def reference(
             pieces = parts[rid]
             denom = max(sum(float(m.sum()) for _, _, m, _ in pieces), 1.0)
             k = sum(((s - t) * m).sum() for s, t, m, _ in pieces).detach() / denom
+            if loss != "sampled":
+                kl = (
+                    sum((x * m).sum() for x, (_, _, m, _) in zip(top[rid], pieces, strict=True))
+                    / denom
+                )
+                at_rollout = sum(
+                    ((torch.tensor(p.rollout_log_probs, dtype=torch.float64) - t) * m).sum()
+                    for _, t, m, p in pieces
+                )
+            if recipe in ("opd", "opsd") and loss != "sampled":
+                objective = objective + KL_COEF * kl / step_rollouts
+                value += KL_COEF * float(kl) / step_rollouts
+                metrics["teacher_topk_kl"] += float(kl) / step_rollouts
+                # the sampled estimator at the rollout's own log-probs, as the local trainer
+                metrics["opd_reverse_kl"] += float(at_rollout) / denom / step_rollouts
+                continue
+            if recipe == "oprd" and loss != "sampled" and rid not in successes:
+                objective = objective + LAMBDA_NEG * kl / len(failures)
+                value += LAMBDA_NEG * float(kl) / len(failures)
+                metrics["failure_branch_loss"] += float(kl) / len(failures)
+                metrics["teacher_topk_kl"] += float(kl) / len(failures)
+                continue
             nll = sum((-s * m).sum() for s, _, m, _ in pieces) / denom
             surrogate = sum(((s - t).detach() * s * m).sum() for s, t, m, _ in pieces) / denom
             if recipe == "opd" and args.use_rollout_logprobs:  # PPO-clipped, vs the rollout's
@@ -305,9 +371,10 @@ def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int], path: 
 def _train_side(case: dict[str, Any]) -> dict[str, Any]:
     """slime's actor on this rank's payload; the given logits in place of the model."""
     from megatron.core import parallel_state as mpu
+    from slime.backends.megatron_utils import model
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
     from slime.backends.megatron_utils.cp_utils import slice_with_cp
-    from slime.backends.megatron_utils.data import DataIterator, get_batch, get_data_iterator
+    from slime.backends.megatron_utils.data import DataIterator, get_data_iterator
     from slime.backends.megatron_utils.loss import (
         compute_advantages_and_returns,
         get_log_probs_and_entropy,
@@ -315,6 +382,10 @@ def _train_side(case: dict[str, Any]) -> dict[str, Any]:
     )
     from slime.observability.train_metric_utils import reduce_train_step_metrics
 
+    from slime_ext.slime import topk
+
+    topk.init(None)  # what --custom-megatron-init-path does on every Megatron rank
+    get_batch = model.get_batch  # the training step's, as forward_step looks it up
     args, logits, expected = case["args"], case["logits"], case["grads"]
     tp_rank, tp = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=False)
@@ -413,6 +484,15 @@ def trajectories(factory_tokenizer: Any) -> list[Any]:
 
     scripted = _scripted(factory_tokenizer)
     assert [t.reward for t in scripted][::2] == [1.0, 0.0]  # mul succeeds, wrong fails
+    generator = torch.Generator().manual_seed(7)
+    for trajectory in scripted:  # as if the teacher had also given its top-k
+        for turn in trajectory.turns:
+            logp = torch.log_softmax(
+                torch.randn(len(turn.span_ids), len(factory_tokenizer), generator=generator) * 3,
+                -1,
+            )
+            values, ids = logp.topk(TOP_K, dim=-1)
+            turn.teacher_topk_ids, turn.teacher_topk_logprobs = ids.tolist(), values.tolist()
     return scripted
 
 
@@ -421,15 +501,18 @@ def _cases(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     tp, cp, dp = layout
     cases, expected = {}, {}
-    for index, (case, (recipe, extra_args)) in enumerate(CASES.items()):
+    for index, (case, (recipe, extra_args, settings)) in enumerate(CASES.items()):
         directory = tmp_path / f"case{index}"
         directory.mkdir()
-        args = recipe_args(recipe, directory, tp, cp, vocab, extra_args)
+        args = recipe_args(recipe, directory, tp, cp, vocab, extra_args, settings)
         steps = rollout_groups(recipe, args, directory, trajectories)
         samples, boxes, logged = rollout_side(args, steps, dp)
         generator = torch.Generator().manual_seed(index)
         logits = [torch.randn(len(s.tokens), vocab, generator=generator) * 2 for s in samples]
-        value, metrics, grads = reference(recipe, samples, logits, args)
+        loss = settings.get("opd_loss", "sampled")
+        if settings.get("oprd_failure_loss") == "teacher_topk":
+            loss = "topk_tail"
+        value, metrics, grads = reference(recipe, samples, logits, args, loss)
         cases[case] = {"args": args, "boxes": boxes, "logits": logits, "grads": grads}
         expected[case] = {"loss": value, "metrics": metrics, "rollout_log": logged}
     return cases, expected
@@ -445,7 +528,7 @@ def test_every_recipe_through_slimes_own_data_path_equals_the_reference(
     cases, expected = _cases(tmp_path, trajectories, layout, vocab)
     torch.save(cases, tmp_path / "cases.pt")
     ranks = run_ranks(_rank, tp * cp * dp, layout, tmp_path)
-    for case, (recipe, _) in CASES.items():
+    for case, (recipe, _, _) in CASES.items():
         want = expected[case]
         results = [r[case] for r in ranks]
         assert sum(r["samples"] for r in results) == len(cases[case]["logits"]) * tp * cp

@@ -14,31 +14,43 @@ slime calls `loss(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`
   the per-trajectory normalization of DESIGN.md invariant 7;
 - a rank whose slices are all empty returns a zero still connected to the logits.
 
-Only the sampled-token OPD signal reaches this loss: slime's batch carries a fixed key
-list (teacher_log_probs, not per-token top-k), so `algorithm.opd_loss` must be `sampled`.
-OPRD routes each sample by its trajectory's outcome, which reaches the loss as a signed
-branch share in `advantages` (`slime_ext.slime.oprd`): successes train on the NLL (their
-loss masks are imitation masks), failures on the same sampled reverse KL as OPD
-(`algorithm.oprd_failure_loss: sampled`; the shared-support KL needs both full
-distributions, which slime's batch does not carry).
+The teacher's signal: its log-prob of each sampled token (teacher_log_probs, slime's own
+key) always; its top-k per response token when the loss needs it (`algorithm.opd_loss`
+topk_tail / topk_renorm, OPRD's `teacher_topk` failure loss), carried by
+`slime_ext.slime.topk` and cut to this rank's positions here. OPRD routes each sample by
+its trajectory's outcome, which reaches the loss as a signed branch share in `advantages`
+(`slime_ext.slime.oprd`): successes train on the NLL (their loss masks are imitation
+masks), failures on the sampled reverse KL in policy-gradient form or the KL to the
+teacher's top-k (the shared-support KL needs both full distributions, which only the
+local trainer has).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from launch.config import JobConfig
-from slime_ext.losses import TokenLoss, masked_nll, reverse_kl_pg_loss, sampled_reverse_kl
+from slime_ext.losses import (
+    TokenLoss,
+    masked_nll,
+    reverse_kl_pg_loss,
+    sampled_reverse_kl,
+    teacher_topk_kl,
+)
 from slime_ext.slime.cp import ResponseSlice, response_slices
-from slime_ext.slime.settings import HookConfigError, Parallel, job_config, megatron_parallel
+from slime_ext.slime.settings import Parallel, job_config, megatron_parallel
+from slime_ext.slime.topk import needs_topk, rows_for
 from slime_ext.vocab_parallel import VocabShard, token_logprobs
 
 METRICS = ("opd_reverse_kl", "student_gt_teacher_frac", "loss_tokens")
 """The keys every call returns (slime sums them across micro-batches by position)."""
+TOPK_METRICS = ("teacher_topk_kl",)
+"""A top-k loss's further key: the KL to the teacher's top-k, as the local trainer logs it."""
 OPRD_METRICS = (
     "success_branch_loss",
     "failure_branch_loss",
@@ -60,11 +72,7 @@ def loss(
     sum_of_sample_mean: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, dict[str, Tensor]]:
     job = job_config(args)
-    if job.algorithm.recipe in ("opd", "opsd") and job.algorithm.opd_loss != "sampled":
-        raise HookConfigError(
-            f"algorithm.opd_loss {job.algorithm.opd_loss!r} needs per-token teacher top-k, "
-            "which slime's batch cannot carry to a custom loss: use 'sampled' on slime"
-        )
+    topk = needs_topk(job)
     parallel = megatron_parallel()
     if logits.dim() != 3 or logits.size(0) != 1:
         raise SlimeBatchError(f"logits must be [1, T_local, V/TP], got {tuple(logits.shape)}")
@@ -79,7 +87,8 @@ def loss(
     if count == 0:
         # a short span can land wholly on another CP rank: stay in the graph
         zero = 0.0 * logits.sum()
-        keys = METRICS + OPRD_METRICS if job.algorithm.recipe == "oprd" else METRICS
+        keys = METRICS + (OPRD_METRICS if job.algorithm.recipe == "oprd" else ())
+        keys += TOPK_METRICS if topk else ()
         return zero, {key: zero.detach() for key in keys}
     row_index = torch.tensor([r for s in slices for r in s.local_rows], device=rows.device)
     targets = torch.cat(
@@ -91,16 +100,22 @@ def loss(
         ]
     ).to(rows.device)
     mask = _local(batch["loss_masks"], batch["response_lengths"], slices).bool()
-    student = token_logprobs(
-        rows[row_index],
-        targets,
-        _shard(parallel, args),
-        temperature=float(getattr(args, "rollout_temperature", 1.0)),
-        chunk_size=_chunk_size(args),
-    )
+    local_logits = rows[row_index]
+    top = None
+    if topk:
+        top = TeacherTopK(job, args, parallel, local_logits, batch, slices)
+    # a top-k loss reads the student's sampled-token log-prob for metrics only
+    with torch.no_grad() if topk and job.algorithm.recipe != "oprd" else nullcontext():
+        student = token_logprobs(
+            local_logits,
+            targets,
+            _shard(parallel, args),
+            temperature=_temperature(args),
+            chunk_size=_chunk_size(args),
+        )
     if job.algorithm.recipe == "oprd":
-        return _oprd_loss(job, args, batch, slices, student, mask, sum_of_sample_mean)
-    result, kl = _recipe_loss(job.algorithm.recipe, args, batch, slices, student, mask)
+        return _oprd_loss(job, args, batch, slices, student, mask, sum_of_sample_mean, top)
+    result, kl = _recipe_loss(job.algorithm.recipe, args, batch, slices, student, mask, top)
     # kl_coef weighs the KL to the teacher only, as in the local trainer
     coef = job.algorithm.kl_coef if kl is not None else 1.0
     total = sum_of_sample_mean(result.per_token * coef)
@@ -110,11 +125,49 @@ def loss(
     else:
         kl_metric = sum_of_sample_mean(kl.per_token).detach()
         above = sum_of_sample_mean(_above(kl, mask)).detach()
-    return total, {
+    metrics = {
         "opd_reverse_kl": kl_metric,
         "student_gt_teacher_frac": above,
         "loss_tokens": mask.sum().float().detach(),
     }
+    if top is not None:
+        metrics["teacher_topk_kl"] = sum_of_sample_mean(result.per_token.detach())
+    return total, metrics
+
+
+class TeacherTopK:
+    """The KL to the teacher's top-k on this rank's response rows (`slime_ext.slime.topk`
+    carries the rows; ids index the whole vocabulary, the TP shard gathers its own)."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        args: Any,
+        parallel: Parallel,
+        local_logits: Tensor,
+        batch: dict[str, Any],
+        slices: list[ResponseSlice],
+    ) -> None:
+        self.ids, self.logprobs = rows_for(
+            batch, [s.response_index for s in slices], job.teacher.top_k, local_logits.device
+        )
+        self.logits = local_logits
+        self.shard = _shard(parallel, args)
+        self.temperature = _temperature(args)
+        self.chunk_size = _chunk_size(args)
+
+    def kl(self, mask: Tensor, tail: bool) -> TokenLoss:
+        """Per token KL(p_S || p_T on its top-k), tail bucket or renormalized; 0 off mask."""
+        return teacher_topk_kl(
+            self.logits,
+            self.ids,
+            self.logprobs,
+            mask,
+            self.temperature,
+            tail,
+            shard=self.shard,
+            chunk_size=self.chunk_size,
+        )
 
 
 def _recipe_loss(
@@ -124,9 +177,11 @@ def _recipe_loss(
     slices: list[ResponseSlice],
     student: Tensor,
     mask: Tensor,
+    top: TeacherTopK | None = None,
 ) -> tuple[TokenLoss, TokenLoss | None]:
     """The per-token loss of the job's recipe, and the sampled reverse KL when a teacher
-    scored the tokens."""
+    scored the tokens (with a top-k loss: a metric, at the rollout's log-probs as the local
+    trainer reports it)."""
     if recipe in ("ssd", "sft"):
         return masked_nll(student, mask), None
     if recipe == "rl":
@@ -134,6 +189,12 @@ def _recipe_loss(
         per_token = torch.where(mask, -advantages * student, torch.zeros_like(student))
         return TokenLoss(per_token, {}), None
     teacher = _sliced_given(batch, "teacher_log_probs", slices)
+    if top is not None:
+        tail = job_config(args).algorithm.opd_loss == "topk_tail"
+        sampler = _optional_sliced(batch, "rollout_log_probs", slices)
+        return top.kl(mask, tail), sampled_reverse_kl(
+            student if sampler is None else sampler, teacher, mask
+        )
     old, clip = _old_logprobs(args, batch, slices)
     result = reverse_kl_pg_loss(student, teacher, mask, old_logprobs=old, clip=clip)
     behaviour = student if old is None else old
@@ -148,10 +209,12 @@ def _oprd_loss(
     student: Tensor,
     mask: Tensor,
     sum_of_sample_mean: Callable[[Tensor], Tensor],
+    top: TeacherTopK | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Success tokens on the NLL, failure tokens on the sampled reverse KL (policy-gradient
-    form, as OPD), each times its lambda and its trajectory's branch share: slime's
-    reduction then gives lambda_+ L_+ + lambda_- L_- (`slime_ext.slime.oprd`)."""
+    form, as OPD) or, with `top`, the KL to the teacher's top-k with a tail bucket; each
+    times its lambda and its trajectory's branch share: slime's reduction then gives
+    lambda_+ L_+ + lambda_- L_- (`slime_ext.slime.oprd`)."""
     if batch.get("advantages") is None:
         raise SlimeBatchError(
             "recipe oprd reads each sample's branch share from advantages: run slime with "
@@ -164,25 +227,32 @@ def _oprd_loss(
     teacher = _sliced_given(batch, "teacher_log_probs", slices)
     old, clip = _old_logprobs(args, batch, slices)
     nll = masked_nll(student, success).per_token
-    kl_pg = reverse_kl_pg_loss(student, teacher, failure, old_logprobs=old, clip=clip).per_token
+    if top is None:
+        kl_pg = reverse_kl_pg_loss(student, teacher, failure, old_logprobs=old, clip=clip)
+    else:
+        kl_pg = top.kl(failure, tail=True)
+    failure_loss = kl_pg.per_token
     algorithm = job.algorithm
     per_token = weight * (
-        algorithm.oprd_success_weight * nll + algorithm.oprd_failure_weight * kl_pg
+        algorithm.oprd_success_weight * nll + algorithm.oprd_failure_weight * failure_loss
     )
     kl = sampled_reverse_kl(student if old is None else old, teacher, mask)
 
     def branch_mean(values: Tensor) -> Tensor:
         return sum_of_sample_mean(weight * values).detach()
 
-    return sum_of_sample_mean(per_token), {
+    metrics = {
         "opd_reverse_kl": sum_of_sample_mean(kl.per_token).detach(),
         "student_gt_teacher_frac": sum_of_sample_mean(_above(kl, mask)).detach(),
         "loss_tokens": mask.sum().float().detach(),
         "success_branch_loss": branch_mean(nll.detach()),
-        "failure_branch_loss": branch_mean(kl_pg.detach()),
+        "failure_branch_loss": branch_mean(failure_loss.detach()),
         "opd_reverse_kl_success": branch_mean(kl.per_token * success),
         "opd_reverse_kl_failure": branch_mean(kl.per_token * failure),
     }
+    if top is not None:
+        metrics["teacher_topk_kl"] = branch_mean(failure_loss.detach())
+    return sum_of_sample_mean(per_token), metrics
 
 
 def _old_logprobs(
@@ -197,6 +267,14 @@ def _old_logprobs(
     eps_low = float(getattr(args, "eps_clip", 0.2))
     eps_high = float(getattr(args, "eps_clip_high", None) or eps_low)
     return _sliced_given(batch, old_key, slices), (1.0 - eps_low, 1.0 + eps_high)
+
+
+def _optional_sliced(batch: dict[str, Any], key: str, slices: list[ResponseSlice]) -> Tensor | None:
+    return None if batch.get(key) is None else _sliced_given(batch, key, slices)
+
+
+def _temperature(args: Any) -> float:
+    return float(getattr(args, "rollout_temperature", 1.0))
 
 
 def _above(kl: TokenLoss, mask: Tensor) -> Tensor:

@@ -9,7 +9,9 @@ rollout/ and perf/ metrics, computed once per trajectory (samples of one rollout
 a summary), into `rollout_extra_metrics`, which slime's default logging then writes in
 the same W&B call; it returns False so that logging still runs. OPSD's hint counts are
 the run's so far (the latest); OPRD's reminder counts are the step's (each trajectory's
-own, added up), as the local trainer logs them.
+own, added up), as the local trainer logs them. It also hands the step's samples to
+`slime_ext.slime.topk.record_step`: slime splits exactly this list by DP rank next, and the
+teacher's top-k rows ride that split.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rollout.reminders import ReminderStats
 from rollout.runner import summary_metrics
 from slime_ext.losses import masked_mean
 from slime_ext.slime.samples import HINT_STATS_KEY, METADATA_KEY, REMINDER_STATS_KEY, rollout_id_of
+from slime_ext.slime.topk import record_step
 
 
 def log_rollout(
@@ -29,6 +32,7 @@ def log_rollout(
     rollout_extra_metrics: dict[str, Any] | None,
     rollout_time: float,
 ) -> bool:
+    record_step(samples)  # the teacher's top-k rows, for slime's DP split (topk.py)
     metrics = sample_metrics(samples)
     if rollout_extra_metrics is not None:
         rollout_extra_metrics.update(metrics)

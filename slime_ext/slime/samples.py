@@ -15,6 +15,7 @@ from typing import Any
 from rollout.masking import loss_mask_for
 from rollout.runner import trajectory_summary
 from rollout.trajectory import Trajectory, TrajectoryStatus
+from slime_ext.slime.topk import TOPK_KEY, TopKError, TopKRows, filler, rows_from_turn
 from slime_ext.turns import LossKind
 
 METADATA_KEY = "opd"
@@ -33,22 +34,58 @@ def to_samples(
     loss_kind: LossKind,
     train_kl_on_invalid: bool = True,
     with_teacher: bool = True,
+    teacher_top_k: int = 0,
 ) -> list[Any]:
-    """The samples slime trains on for one trajectory (`base` is slime's Sample)."""
+    """The samples slime trains on for one trajectory (`base` is slime's Sample).
+    `teacher_top_k` > 0: every sample also carries the teacher's top-k rows
+    (`slime_ext.slime.topk`), k wide."""
+    k = teacher_top_k if with_teacher else 0
     if trajectory.status not in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED):
-        return [placeholder(trajectory, base, trajectory.status_reason, with_teacher)]
+        return [placeholder(trajectory, base, trajectory.status_reason, with_teacher, k)]
     if not trajectory.turns:
-        return [placeholder(trajectory, base, "no turns", with_teacher)]
+        return [placeholder(trajectory, base, "no turns", with_teacher, k)]
     if with_teacher and any(turn.teacher_logprobs is None for turn in trajectory.turns):
-        return [placeholder(trajectory, base, "a turn has no teacher scores", with_teacher)]
+        return [placeholder(trajectory, base, "a turn has no teacher scores", with_teacher, k)]
+    try:
+        topk = [_turn_topk(turn, k) for turn in trajectory.turns] if k else None
+    except TopKError as err:
+        return [placeholder(trajectory, base, f"teacher top-k: {err}", with_teacher, k)]
     if trajectory.think_policy == "keep":
         whole = _one_sequence(trajectory, base, loss_kind, train_kl_on_invalid, with_teacher)
         if whole is not None:
-            return [whole]
-    return [
-        _turn_sample(trajectory, k, base, loss_kind, train_kl_on_invalid, with_teacher)
-        for k in range(trajectory.num_turns)
+            return [_with_topk(whole, _spread(trajectory, whole, topk, k)) if topk else whole]
+    samples = [
+        _turn_sample(trajectory, t, base, loss_kind, train_kl_on_invalid, with_teacher)
+        for t in range(trajectory.num_turns)
     ]
+    if topk is None:
+        return samples
+    return [_with_topk(s, rows) for s, rows in zip(samples, topk, strict=True)]
+
+
+def _turn_topk(turn: Any, k: int) -> TopKRows:
+    if turn.teacher_topk_ids is None or turn.teacher_topk_logprobs is None:
+        raise TopKError("a turn has none (score with teacher.top_k > 0)")
+    rows = rows_from_turn(turn.teacher_topk_ids, turn.teacher_topk_logprobs, k)
+    if rows.ids.shape[0] != len(turn.span_ids):
+        raise TopKError(f"{rows.ids.shape[0]} rows for a span of {len(turn.span_ids)}")
+    return rows
+
+
+def _spread(trajectory: Trajectory, whole: Any, topk: list[TopKRows], k: int) -> TopKRows:
+    """Think kept: each turn's rows at its span's place in the one sequence's response."""
+    rows = filler(int(whole.response_length), k)
+    prompt = len(whole.tokens) - int(whole.response_length)
+    for t, turn_rows in enumerate(topk):
+        start = len(trajectory.context_ids(t)) - prompt
+        rows.ids[start : start + turn_rows.ids.shape[0]] = turn_rows.ids
+        rows.logprobs[start : start + turn_rows.ids.shape[0]] = turn_rows.logprobs
+    return rows
+
+
+def _with_topk(sample: Any, rows: TopKRows) -> Any:
+    metadata = {**(sample.train_metadata or {}), TOPK_KEY: rows.as_metadata()}
+    return dataclasses.replace(sample, train_metadata=metadata)
 
 
 def rollout_id_of(base: Any) -> int:
@@ -60,13 +97,16 @@ def rollout_id_of(base: Any) -> int:
     return int(base.index)
 
 
-def placeholder(trajectory: Trajectory, base: Any, reason: str, with_teacher: bool) -> Any:
+def placeholder(
+    trajectory: Trajectory, base: Any, reason: str, with_teacher: bool, teacher_top_k: int = 0
+) -> Any:
     """One removable sample that records why the trajectory gave nothing to train on; its
-    log-probs are zero-filled (slime copies teacher_log_probs only if every sample has them)."""
+    log-probs are zero-filled (slime copies teacher_log_probs only if every sample has them),
+    its top-k rows (teacher_top_k > 0) filler."""
     tokens = list(trajectory.trunk_ids)
     if len(tokens) < 2:
         tokens = tokens * 2
-    return dataclasses.replace(
+    sample = dataclasses.replace(
         base,
         rollout_id=rollout_id_of(base),
         tokens=tokens,
@@ -82,6 +122,7 @@ def placeholder(trajectory: Trajectory, base: Any, reason: str, with_teacher: bo
             METADATA_KEY: _summary(trajectory) | {"abort_reason": reason, "placeholder": True},
         },
     )
+    return _with_topk(sample, filler(1, teacher_top_k)) if teacher_top_k else sample
 
 
 def _turn_sample(

@@ -54,11 +54,11 @@ def load_job(path: str) -> JobConfig:
 
 
 def _check_against_slime(job: JobConfig, args: Any) -> None:
-    """Recipes the hooks run (OPRD with the sampled failure loss only); and invariant 3:
+    """Recipes the hooks run (not OPRD's shared_support failure loss); and invariant 3:
     one temperature on both sides of the KL. slime divides the student's logits by
     --rollout-temperature; the teacher server applies the temperature our rollout sends,
     which is the job's. They must be the same number."""
-    if job.algorithm.recipe == "oprd" and job.algorithm.oprd_failure_loss != "sampled":
+    if job.algorithm.recipe == "oprd" and job.algorithm.oprd_failure_loss == "shared_support":
         raise HookConfigError(OPRD_ON_SLIME)
     for flag, why in UNSUPPORTED_SLIME_ARGS.items():
         if getattr(args, flag, False):
