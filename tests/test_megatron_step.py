@@ -15,6 +15,12 @@ explicit causal mask), test_slime_real's plain-torch objective (per-trajectory m
 DESIGN.md invariant 7 over the step's rollouts) backpropagated, then Adam without momentum
 by hand: p -= lr * grad / (|grad| + eps). A loss scaled by 2 is the negative control.
 The CPU redirects are in tests/megatron_cpu.py.
+
+With the teacher's top-k (opd_loss topk_tail), the rows ride slime_ext.slime.topk's
+extension of slime's data path into the same steps; besides the parameters, the loss of
+the first step, as slime reports it, equals the local trainer's (LocalTrainer.loss, the
+embedded mode's) on the same trajectories and weights: the TP1 GPTModel behind the
+interface the local trainer reads (hidden states, output embedding).
 """
 
 from __future__ import annotations
@@ -37,7 +43,16 @@ from tests.slime_driver import require_slime, run_ranks
 require_slime()
 
 from tests.live_server import free_port  # noqa: E402
-from tests.test_slime_real import recipe_args, reference, rollout_groups, rollout_side  # noqa: E402
+from tests.test_slime_real import (  # noqa: E402
+    KL_COEF,
+    ROLLOUTS,
+    TEMPERATURE,
+    recipe_args,
+    reference,
+    rollout_groups,
+    rollout_side,
+    scripted_with_topk,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
@@ -56,6 +71,8 @@ optimizer takes only Adam; Adam's usual first steps, g / |g|, would hide a scale
 HIDDEN, HEADS, FFN, LAYERS = 32, 4, 64, 2
 ATOL = 1e-6
 RECIPE = "opd"
+TOPK_SETTINGS = {"opd_loss": "topk_tail"}
+TOPK_ATOL = 1e-5
 MAX_TOKENS_PER_GPU = 640
 """Two or three samples per micro-batch: at test_slime_real's 320 each sample fills one,
 and slime's DP schedule cannot split 15 one-sample micro-batches evenly over DP 2."""
@@ -114,24 +131,82 @@ def _reference_rank(rank: int, port: int, path: str) -> None:
 
     init_process(rank, 1, port, 1, 1)
     case = torch.load(f"{path}/reference_case.pt", weights_only=False)
-    args, samples = case["args"], case["samples"]
+    args, samples, loss = case["args"], case["samples"], case["loss"]
+    local_loss = None
     with cpu_redirects():
         torch.manual_seed(0)
         model = gpt_model(model_config(1, 1, False), args.padded_vocab_size, packed=False)
         initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+        if loss != "sampled":
+            local_loss = _local_trainer_loss(model, case["trajectories"], loss)
         for _ in range(STEPS):
             model.zero_grad()
             logits = [sample_logits(model, s.tokens) for s in samples]
             detached = [x.detach() for x in logits]
-            _, _, grads = reference(RECIPE, samples, detached, args)
+            _, _, grads = reference(RECIPE, samples, detached, args, loss)
             torch.autograd.backward(logits, grads)
             with torch.no_grad():
                 for param in model.parameters():
                     if param.grad is not None:
                         param -= LR * param.grad / (param.grad.abs() + ADAM_EPS)
     final = {k: v.detach().clone() for k, v in model.named_parameters()}
-    torch.save({"initial": initial, "final": final}, f"{path}/reference.pt")
+    torch.save(
+        {"initial": initial, "final": final, "local_loss": local_loss}, f"{path}/reference.pt"
+    )
     close_process()
+
+
+class AsLocalStudent(torch.nn.Module):
+    """A TP1 GPTModel behind what LocalTrainer reads of an HF causal LM: base_model(...)
+    .last_hidden_state (the decoder's output, final norm applied) for right-padded rows,
+    get_output_embeddings().weight, config.pad_token_id."""
+
+    def __init__(self, gpt: Any) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.config = SimpleNamespace(pad_token_id=0)
+
+    @property
+    def base_model(self) -> Any:
+        return self._hidden
+
+    def get_output_embeddings(self) -> Any:
+        return self.gpt.output_layer
+
+    def _hidden(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Any = None
+    ) -> Any:
+        captured: list[torch.Tensor] = []
+        hook = self.gpt.decoder.register_forward_hook(
+            lambda module, inputs, output: captured.append(
+                output[0] if isinstance(output, tuple) else output
+            )
+        )
+        rows = []
+        try:
+            for ids, mask in zip(input_ids, attention_mask, strict=True):
+                length = int(mask.sum())
+                logits = sample_logits(self.gpt, ids[:length].tolist())
+                hidden = captured.pop()[:, 0]  # [s, b, h] -> [s, h]
+                weight = self.gpt.output_layer.weight
+                assert torch.allclose(hidden @ weight.t(), logits, atol=1e-5)
+                rows.append(
+                    torch.cat([hidden, hidden.new_zeros(len(ids) - length, len(hidden[0]))])
+                )
+        finally:
+            hook.remove()
+        return SimpleNamespace(last_hidden_state=torch.stack(rows))
+
+
+def _local_trainer_loss(gpt: Any, trajectories: list[Any], loss: str) -> float:
+    """LocalTrainer's loss of recipe opd with `loss` on the trajectories, at gpt's weights."""
+    from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+
+    config = TrainerConfig(
+        opd_loss=loss, kl_coef=KL_COEF, temperature=TEMPERATURE, sequence_layout="per_turn"
+    )
+    value, _ = LocalTrainer(AsLocalStudent(gpt), config).loss(trajectories, "opd")
+    return float(value)
 
 
 def sample_logits(model: Any, tokens: list[int]) -> torch.Tensor:
@@ -178,6 +253,9 @@ def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], 
 def _train(
     case: dict[str, Any], layout: tuple[int, int, int, bool], distributed: bool, loss_path: str
 ) -> dict[str, Any]:
+    from slime_ext.slime import topk
+
+    topk.init(args=None)  # --custom-megatron-init-path, as `opd launch` passes it
     """STEPS rollouts of slime's actor on this rank's payload; the full final parameters."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -216,6 +294,7 @@ def _train(
     config.grad_scale_func = optimizer.scale_loss  # as slime's train() sets them
     config.finalize_model_grads_func = slime_model.finalize_model_grads
     actor = SimpleNamespace(args=args, model=[ddp])
+    reported = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(slime_model, "get_args", lambda: args)
         for rollout_id in range(STEPS):
@@ -231,14 +310,16 @@ def _train(
             for step_id, (microbatches, step_size) in enumerate(
                 zip(data["num_microbatches"], data["global_batch_sizes"], strict=True)
             ):
-                slime_model.train_one_step(
+                metrics, _ = slime_model.train_one_step(
                     args, rollout_id, step_id, iterator, [ddp], optimizer, scheduler,
                     microbatches, step_size,
                 )  # fmt: skip
+                reported.append(metrics)
     return {
         "partition": data["partition"],
         "tp_rank": mpu.get_tensor_model_parallel_rank(),
         "final": full_state(model),
+        "reported": reported,
     }
 
 
@@ -277,25 +358,47 @@ def full_state(model: Any) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def trajectories(factory_tokenizer: Any) -> list[Any]:
-    from tests.test_slime_hooks import _scripted
+    return scripted_with_topk(factory_tokenizer)
 
-    return _scripted(factory_tokenizer)
+
+def _reference_run(path: Path, trajectories: list[Any], vocab: int, loss: str) -> dict[str, Any]:
+    """The samples of one rollout step and the reference's initial and final weights (and,
+    for a top-k loss, the local trainer's loss at the initial weights)."""
+    settings = {} if loss == "sampled" else TOPK_SETTINGS
+    args = recipe_args(RECIPE, path, 1, 1, vocab, algorithm_settings=settings)
+    samples, _, _ = rollout_side(args, [rollout_groups(RECIPE, args, path, trajectories)], 1)
+    # the local trainer's batch of the step: an aborted rollout trains nothing and counts
+    local = [
+        trajectories[0].model_copy(update={"turns": []})
+        if which == "aborted"
+        else trajectories[int(which)]
+        for which, _ in ROLLOUTS
+    ]
+    torch.save(
+        {"args": args, "samples": samples, "loss": loss, "trajectories": local},
+        path / "reference_case.pt",
+    )
+    mp.start_processes(
+        _reference_rank, args=(free_port(), str(path)), nprocs=1, join=True, start_method="spawn"
+    )
+    result = torch.load(path / "reference.pt", weights_only=False)
+    return {"samples": samples, **result}
 
 
 @pytest.fixture(scope="module")
 def reference_run(
     tmp_path_factory: pytest.TempPathFactory, trajectories: list[Any], factory_tokenizer: Any
 ) -> dict[str, Any]:
-    """The samples of one rollout step and the reference's initial and final weights."""
     path = tmp_path_factory.mktemp("reference")
-    args = recipe_args(RECIPE, path, 1, 1, len(factory_tokenizer))
-    samples, _, _ = rollout_side(args, [rollout_groups(RECIPE, args, path, trajectories)], 1)
-    torch.save({"args": args, "samples": samples}, path / "reference_case.pt")
-    mp.start_processes(
-        _reference_rank, args=(free_port(), str(path)), nprocs=1, join=True, start_method="spawn"
-    )
-    result = torch.load(path / "reference.pt", weights_only=False)
-    return {"samples": samples, **result}
+    return _reference_run(path, trajectories, len(factory_tokenizer), "sampled")
+
+
+@pytest.fixture(scope="module")
+def topk_reference_run(
+    tmp_path_factory: pytest.TempPathFactory, trajectories: list[Any], factory_tokenizer: Any
+) -> dict[str, Any]:
+    path = tmp_path_factory.mktemp("topk_reference")
+    return _reference_run(path, trajectories, len(factory_tokenizer), TOPK_SETTINGS["opd_loss"])
 
 
 @pytest.mark.timeout(240)
@@ -344,3 +447,41 @@ def test_megatron_training_steps_equal_the_single_process_reference(
             assert min(errors) > 100 * ATOL, errors
         else:
             assert max(errors) < ATOL, (name, errors)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "layout", [LAYOUTS["tp2-cp2"], LAYOUTS["tp1-cp2-dp2"]], ids=["tp2-cp2", "tp1-cp2-dp2"]
+)
+def test_megatron_topk_steps_equal_the_reference_and_the_local_trainers_loss(
+    tmp_path: Path,
+    trajectories: list[Any],
+    factory_tokenizer: Any,
+    topk_reference_run: dict[str, Any],
+    layout: tuple[int, int, int, bool],
+) -> None:
+    """opd_loss topk_tail on slime: the teacher's rows through slime's data path (cut by CP,
+    gathered per TP vocabulary shard) into Megatron's steps; the parameters equal the
+    reference after 3 steps, and the first step's loss, as slime reports it, equals the
+    local trainer's on the same trajectories to 1e-5."""
+    tp, cp, dp, _ = layout
+    args = recipe_args(
+        RECIPE, tmp_path, tp, cp, len(factory_tokenizer), algorithm_settings=TOPK_SETTINGS
+    )
+    args.max_tokens_per_gpu = MAX_TOKENS_PER_GPU
+    _, boxes, _ = rollout_side(args, [rollout_groups(RECIPE, args, tmp_path, trajectories)], dp)
+    runs = {"plain": {"distributed": False, "loss_path": "slime_ext.slime.loss.loss"}}
+    torch.save(
+        {"args": args, "boxes": boxes, "initial": topk_reference_run["initial"], "runs": runs},
+        tmp_path / "case.pt",
+    )
+    ranks = run_ranks(_rank, tp * cp * dp, layout, tmp_path)
+    final = topk_reference_run["final"]
+    for r in ranks:
+        error = max(float((r["plain"]["final"][k] - final[k]).abs().max()) for k in final)
+        assert error < ATOL, error
+    local_loss = topk_reference_run["local_loss"]
+    assert local_loss is not None and local_loss > 0.1
+    for r in ranks:
+        first = r["plain"]["reported"][0]
+        assert KL_COEF * first["teacher_topk_kl"] == pytest.approx(local_loss, abs=TOPK_ATOL)

@@ -480,6 +480,12 @@ def _train_side(case: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def trajectories(factory_tokenizer: Any) -> list[Any]:
+    return scripted_with_topk(factory_tokenizer)
+
+
+def scripted_with_topk(factory_tokenizer: Any) -> list[Any]:
+    """test_slime_hooks' scripted trajectories (0 mul, 1 half, 2 wrong), every turn also
+    carrying a teacher top-k of TOP_K ids (the top of a random distribution)."""
     from tests.test_slime_hooks import _scripted
 
     scripted = _scripted(factory_tokenizer)
