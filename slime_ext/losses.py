@@ -8,6 +8,23 @@ the reduction; `per_trajectory_mean` and `outcome_routed` implement DESIGN.md in
 
 Conventions (REFERENCE.md): log-softmax in fp32; temperatures explicit and the same on
 both sides of a KL; the teacher side is never differentiated.
+
+Temperature: every loss is the divergence between the temperature-T distributions
+themselves, with no T^2 factor: a loss of logits z at temperature T equals the same loss
+of z / T at temperature 1, and the losses of log-probs take them at T (`token_logprobs`).
+T is the rollout's sampling temperature, not a softening knob: the sampled estimator k_t
+(slime's OPD, tinker-cookbook) estimates exactly KL(p_S^T || p_T^T), and the
+full-distribution forms (`teacher_topk_kl`, `topk_shared_support_kl`, `generalized_jsd`
+at beta 1) are lower-variance alternatives of that same quantity, interchangeable through
+`opd_loss` and `oprd_failure_loss` only if they share its scale; TRL's GKD and OPSD apply
+no factor either. Hinton's T^2 makes up for gradients shrinking as 1/T^2 when soft targets
+at T > 1 are mixed with hard labels at T = 1; here every term, OPRD's success NLL
+included, is taken at the same T. OPRD's paper writes T^2 * KL for its failure branch
+(REFERENCE.md): at T != 1 that is our loss with lambda_- scaled by T^2.
+
+Masked rows: every input row whose mask is 0 is replaced by a finite constant before any
+math (`keep_valid_rows`, inside the chunked kernels too), so it may hold NaN or inf and
+still gives exactly 0 with exactly 0 gradient, sharded or not, chunked or fused.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from slime_ext.vocab_parallel import (
     VocabShard,
     apply_chunked,
     gather_ids,
+    keep_valid_rows,
     log_softmax,
     sum_across_shards,
     topk_ids,
@@ -42,11 +60,6 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return total / valid.sum().clamp(min=1)
 
 
-def _zero_masked(values: Tensor, valid: Tensor) -> Tensor:
-    """values where valid, else 0, with no gradient flowing into the masked entries."""
-    return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
 def sampled_reverse_kl(
     student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor
 ) -> TokenLoss:
@@ -54,9 +67,9 @@ def sampled_reverse_kl(
     when x_t ~ p_S. A metric and an advantage, not a trainable loss (its expected gradient
     is 0); train with `reverse_kl_pg_loss`."""
     valid = mask.bool()
-    student = student_logprobs.detach().float()
-    teacher = teacher_logprobs.detach().float()
-    k_t = _zero_masked(student - teacher, valid)
+    student = keep_valid_rows(student_logprobs.detach().float(), valid)
+    teacher = keep_valid_rows(teacher_logprobs.detach().float(), valid)
+    k_t = student - teacher
     return TokenLoss(
         k_t,
         {
@@ -82,10 +95,12 @@ def reverse_kl_pg_loss(
     The loss value at a fresh sample equals k_t.
     """
     valid = mask.bool()
-    student = _zero_masked(student_logprobs.float(), valid)
-    teacher = _zero_masked(teacher_logprobs.detach().float(), valid)
+    student = keep_valid_rows(student_logprobs.float(), valid)
+    teacher = keep_valid_rows(teacher_logprobs.detach().float(), valid)
     behaviour = (
-        student.detach() if old_logprobs is None else _zero_masked(old_logprobs.float(), valid)
+        student.detach()
+        if old_logprobs is None
+        else keep_valid_rows(old_logprobs.detach().float(), valid)
     )
     advantage = teacher - behaviour
     ratio = torch.exp(student - behaviour)
@@ -102,13 +117,13 @@ def reverse_kl_pg_loss(
         metrics["pg_clipfrac"] = masked_mean((clipped > loss).float(), valid).detach()
         loss = torch.maximum(loss, clipped)
     metrics["ratio_mean"] = masked_mean(ratio.detach(), valid)
-    return TokenLoss(_zero_masked(loss, valid), metrics)
+    return TokenLoss(keep_valid_rows(loss, valid), metrics)
 
 
 def masked_nll(student_logprobs: Tensor, mask: Tensor) -> TokenLoss:
     """-log p_S(x_t) on loss-carrying tokens (SFT, SSD, OPRD's success branch)."""
     valid = mask.bool()
-    nll = _zero_masked(-student_logprobs.float(), valid)
+    nll = -keep_valid_rows(student_logprobs.float(), valid)
     return TokenLoss(nll, {"nll": masked_mean(nll.detach(), valid)})
 
 
@@ -127,17 +142,18 @@ def topk_shared_support_kl(
     chunk_size: int | None = None,
 ) -> TokenLoss:
     """OPRD's failure branch: U = top-k ids by max(log p_S, log p_T); both renormalized on
-    U; T^2 * KL(p_S|U || stopgrad p_T|U) per token."""
+    U; KL(p_S|U || stopgrad p_T|U) per token, without the paper's T^2 (module docstring)."""
     shard = shard or VocabShard()
 
     def kernel(student_chunk: Tensor, teacher_chunk: Tensor, valid_chunk: Tensor) -> Tensor:
-        student = log_softmax(student_chunk, shard, temperature)
-        teacher = log_softmax(teacher_chunk.detach(), shard, temperature)
+        student = log_softmax(keep_valid_rows(student_chunk, valid_chunk), shard, temperature)
+        teacher_chunk = keep_valid_rows(teacher_chunk.detach(), valid_chunk)
+        teacher = log_softmax(teacher_chunk, shard, temperature)
         support = topk_ids(torch.maximum(student, teacher), k, shard)
         student_u = _renormalize(gather_ids(student, support, shard))
         teacher_u = _renormalize(gather_ids(teacher, support, shard))
-        kl = (student_u.exp() * (student_u - teacher_u)).sum(dim=-1) * temperature**2
-        return _zero_masked(kl, valid_chunk)
+        kl = (student_u.exp() * (student_u - teacher_u)).sum(dim=-1)
+        return keep_valid_rows(kl, valid_chunk)
 
     per_token = apply_chunked(kernel, [student_logits, teacher_logits, mask.bool()], chunk_size)
     return TokenLoss(per_token, {"topk_kl": masked_mean(per_token.detach(), mask)})
@@ -152,6 +168,7 @@ def teacher_topk_kl(
     tail: bool = True,
     *,
     tail_floor: float = 1e-8,
+    logprob_floor: float = -100.0,
     shard: VocabShard | None = None,
     chunk_size: int | None = None,
 ) -> TokenLoss:
@@ -159,16 +176,29 @@ def teacher_topk_kl(
     log-probs computed at the same temperature, e.g. by the teacher server).
 
     tail=False renormalizes both sides on the top-k. tail=True keeps both unnormalized and
-    adds one bucket for the rest of the mass on each side (floored at `tail_floor`), so
-    student mass outside the teacher's top-k is penalized.
+    adds one bucket for the rest of the mass on each side (floored at `tail_floor`: below
+    it, 1 - sum of the top-k is fp32 rounding), so student mass outside the teacher's
+    top-k is penalized.
+
+    A teacher may give a token of its top-k probability 0 (log-prob -inf): the exact KL is
+    then infinite wherever the student has mass there. Teacher log-probs count as at least
+    `logprob_floor` (e^-100 is below fp32's smallest normal number: a top-k entry that low
+    is, to the teacher, as good as 0): value and gradient stay finite, the penalty for
+    student mass p_S there is p_S * (log p_S - logprob_floor), bounded whatever a teacher
+    sends. A NaN on an unmasked row stays NaN (a real error, not a teacher's answer).
     """
+    if not -math.inf < logprob_floor < 0.0:
+        raise ValueError(f"logprob_floor must be finite and < 0, got {logprob_floor}")
     shard = shard or VocabShard()
 
     def kernel(
         student_chunk: Tensor, ids_chunk: Tensor, teacher_chunk: Tensor, valid_chunk: Tensor
     ) -> Tensor:
+        student_chunk = keep_valid_rows(student_chunk, valid_chunk)
+        ids_chunk = keep_valid_rows(ids_chunk, valid_chunk)
+        teacher_k = keep_valid_rows(teacher_chunk.detach().float(), valid_chunk)
+        teacher_k = teacher_k.clamp(min=logprob_floor)
         student_k = gather_ids(log_softmax(student_chunk, shard, temperature), ids_chunk, shard)
-        teacher_k = teacher_chunk.detach().float()
         if not tail:
             student_k, teacher_k = _renormalize(student_k), _renormalize(teacher_k)
         kl = (student_k.exp() * (student_k - teacher_k)).sum(dim=-1)
@@ -176,7 +206,7 @@ def teacher_topk_kl(
             student_rest = _log_rest(student_k, tail_floor)
             teacher_rest = _log_rest(teacher_k, tail_floor)
             kl = kl + student_rest.exp() * (student_rest - teacher_rest)
-        return _zero_masked(kl, valid_chunk)
+        return keep_valid_rows(kl, valid_chunk)
 
     tensors = [student_logits, teacher_topk_ids, teacher_topk_logprobs, mask.bool()]
     per_token = apply_chunked(kernel, tensors, chunk_size)
@@ -218,8 +248,9 @@ def generalized_jsd(
     shard = shard or VocabShard()
 
     def kernel(student_chunk: Tensor, teacher_chunk: Tensor, valid_chunk: Tensor) -> Tensor:
-        student = log_softmax(student_chunk, shard, temperature)
-        teacher = log_softmax(teacher_chunk.detach(), shard, temperature)
+        student = log_softmax(keep_valid_rows(student_chunk, valid_chunk), shard, temperature)
+        teacher_chunk = keep_valid_rows(teacher_chunk.detach(), valid_chunk)
+        teacher = log_softmax(teacher_chunk, shard, temperature)
         sum_vocab = lambda terms: sum_across_shards(terms.sum(dim=-1), shard)  # noqa: E731
         if top_k is not None:
             support = topk_ids(teacher, top_k, shard)
@@ -237,7 +268,7 @@ def generalized_jsd(
             loss = kl_true.clamp(max=clip)
             clipped = (kl_true.detach() > clip).float()
         columns = [loss, kl_true.detach(), clipped]
-        return torch.stack([_zero_masked(c, valid_chunk) for c in columns], dim=-1)
+        return torch.stack([keep_valid_rows(c, valid_chunk) for c in columns], dim=-1)
 
     valid = mask.bool()
     out = apply_chunked(kernel, [student_logits, teacher_logits, valid], chunk_size)

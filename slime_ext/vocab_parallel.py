@@ -5,6 +5,11 @@ parallel layout; rows at or past the tokenizer's size are padding and are masked
 With `VocabShard()` (no group) the same code is the ordinary unsharded computation, so
 the local trainer and slime's Megatron loss run one code path (DESIGN.md invariant 6).
 
+Masked rows: a kernel passes every per-token input through `keep_valid_rows` before any
+math, so a row whose mask is 0 may hold anything (NaN, inf) and still gives 0 with 0
+gradient; inside a chunked kernel this happens per chunk, so the chunked and fused paths
+are covered by the same line.
+
 Memory: `apply_chunked` evaluates a per-token kernel over token chunks and recomputes
 each chunk in backward, so a loss never keeps more than one chunk's [chunk x V_local] fp32
 intermediates alive; the fused path (`fused_lm_head`) also computes the logits per
@@ -106,6 +111,14 @@ def max_across_shards(tensor: Tensor, shard: VocabShard) -> Tensor:
     if shard.world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=shard.group)
     return tensor
+
+
+def keep_valid_rows(values: Tensor, valid: Tensor, fill: float = 0.0) -> Tensor:
+    """values on rows where valid ([N]) is set, `fill` on the others, before any math reads
+    them. Masking after the math is not enough: backward multiplies a masked row's zero
+    gradient by the local derivative there, and 0 * inf or 0 * NaN is NaN."""
+    rows = valid.reshape(valid.shape + (1,) * (values.dim() - valid.dim()))
+    return torch.where(rows, values, torch.full((), fill, dtype=values.dtype, device=values.device))
 
 
 def scaled_logits(logits: Tensor, shard: VocabShard, temperature: float) -> Tensor:
@@ -237,7 +250,10 @@ class _ChunkedKernel(torch.autograd.Function):
             if grads[0] is not None:
                 torch.mm(logits_grad, weight, out=grads[0][begin:end])
             if weight_grad is not None:
-                weight_grad.addmm_(logits_grad.t(), hidden_chunk)
+                # a row without gradient adds nothing: keep its hidden state (a masked row may
+                # hold NaN or inf) out of 0 * h
+                carries = (logits_grad != 0).any(dim=-1, keepdim=True)
+                weight_grad.addmm_(logits_grad.t(), torch.where(carries, hidden_chunk, 0))
         return (None, None, weight_grad, *grads)
 
 
@@ -279,12 +295,22 @@ def token_logprobs(
     shard: VocabShard | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    *,
+    mask: Tensor | None = None,
 ) -> Tensor:
-    """log p(token_ids[n]) under softmax(logits[n] / T) over the whole vocabulary: [N]."""
+    """log p(token_ids[n]) under softmax(logits[n] / T) over the whole vocabulary: [N].
+
+    With `mask`, rows where it is 0 never reach the math: they give 0 with 0 gradient
+    whatever they hold (NaN, inf), as the losses that consume these log-probs promise."""
     shard = shard or VocabShard()
 
-    def kernel(logits_chunk: Tensor, ids_chunk: Tensor) -> Tensor:
+    def kernel(logits_chunk: Tensor, ids_chunk: Tensor, valid_chunk: Tensor | None) -> Tensor:
+        if valid_chunk is not None:
+            logits_chunk = keep_valid_rows(logits_chunk, valid_chunk)
+            ids_chunk = keep_valid_rows(ids_chunk, valid_chunk)
         local = log_softmax(logits_chunk, shard, temperature)
-        return gather_ids(local, ids_chunk[:, None], shard)[:, 0]
+        picked = gather_ids(local, ids_chunk[:, None], shard)[:, 0]
+        return picked if valid_chunk is None else keep_valid_rows(picked, valid_chunk)
 
-    return apply_chunked(kernel, [logits, token_ids], chunk_size)
+    valid = None if mask is None else mask.bool()
+    return apply_chunked(kernel, [logits, token_ids, valid], chunk_size)

@@ -1,13 +1,15 @@
 """Multi-process checks on gloo: vocabulary-sharded losses equal the unsharded ones.
 
-TP=2 (two processes hold half the vocabulary each, with padding rows) and CP=2 x TP=2
-(four processes; tokens split the way context parallelism splits them) for the
+TP=2 (two processes hold half the vocabulary each, with padding rows; masked rows holding
+NaN or inf change nothing; a teacher's -inf top-k log-prob on a loss row stays finite) and
+CP=2 x TP=2 (four processes; tokens split the way context parallelism splits them) for the
 per-trajectory reduction. Megatron-core's vocab-parallel cross entropy is the independent
 oracle for the sharded log-prob path.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -60,6 +62,7 @@ def _batch() -> dict[str, Tensor]:
     student[:, REAL_VOCAB:] = 50.0  # padding rows: huge logits that must be ignored
     teacher[:, REAL_VOCAB:] = 50.0
     teacher_topk = torch.log_softmax(teacher[:, :REAL_VOCAB], dim=-1).topk(4, dim=-1)
+    teacher_topk.values[0, -1] = -math.inf  # a teacher's probability 0, on a loss row
     return {
         "student": student,
         "teacher": teacher,
@@ -74,7 +77,12 @@ def _batch() -> dict[str, Tensor]:
 
 
 LOSSES: dict[str, Callable[[Tensor, dict[str, Tensor], VocabShard, int | None], Tensor]] = {
-    "token_logprobs": lambda s, b, sh, c: token_logprobs(s, b["ids"], sh, 0.7, c),
+    "token_logprobs": lambda s, b, sh, c: token_logprobs(s, b["ids"], sh, 0.7, c, mask=b["mask"]),
+    "reverse_kl_pg": lambda s, b, sh, c: (
+        reverse_kl_pg_loss(
+            token_logprobs(s, b["ids"], sh, 0.7, c, mask=b["mask"]), b["teacher_lp"], b["mask"]
+        ).per_token
+    ),
     "teacher_topk_tail": lambda s, b, sh, c: (
         teacher_topk_kl(s, b["topk_ids"], b["topk_lp"], b["mask"], shard=sh, chunk_size=c).per_token
     ),
@@ -94,6 +102,20 @@ LOSSES: dict[str, Callable[[Tensor, dict[str, Tensor], VocabShard, int | None], 
 }
 
 
+POISONED = ("student", "teacher", "teacher_lp", "topk_lp")
+"""The float inputs a hostile masked row may hold NaN or inf in."""
+
+
+def _poisoned(batch: dict[str, Tensor], poison: float) -> dict[str, Tensor]:
+    """The batch with every masked row of every float input holding `poison` (the
+    padding columns too)."""
+    dirty = {**batch}
+    for key in POISONED:
+        dirty[key] = batch[key].clone()
+        dirty[key][~batch["mask"]] = poison
+    return dirty
+
+
 def _tp2_worker(rank: int, world_size: int, port: int) -> None:
     _init(rank, world_size, port)
     batch = _batch()
@@ -107,17 +129,23 @@ def _tp2_worker(rank: int, world_size: int, port: int) -> None:
         reference = loss_fn(reference_logits, unpadded, VocabShard(), None)
         (reference * batch["weights"]).sum().backward()
         assert reference_logits.grad is not None
+        assert reference.isfinite().all() and reference_logits.grad.isfinite().all(), name
         expected_grad = torch.cat(
             [reference_logits.grad, torch.zeros(TOKENS, PADDED_VOCAB - REAL_VOCAB)], dim=1
         )
-        for chunk in (None, 5):
-            local = batch["student"][:, rows].clone().requires_grad_()
-            sharded_batch = {**batch, "teacher": batch["teacher"][:, rows]}
-            value = loss_fn(local, sharded_batch, shard, chunk)
-            (value * batch["weights"]).sum().backward()
-            assert torch.allclose(value, reference, atol=ATOL), (name, chunk, value, reference)
-            assert local.grad is not None
-            assert torch.allclose(local.grad, expected_grad[:, rows], atol=ATOL), (name, chunk)
+        variants = {"clean": batch} | {
+            f"masked rows {p}": _poisoned(batch, p) for p in (math.nan, math.inf, -math.inf)
+        }
+        for variant, given in variants.items():
+            for chunk in (None, 5):
+                local = given["student"][:, rows].clone().requires_grad_()
+                sharded_batch = {**given, "teacher": given["teacher"][:, rows]}
+                value = loss_fn(local, sharded_batch, shard, chunk)
+                (value * batch["weights"]).sum().backward()
+                where = (name, variant, chunk)
+                assert torch.allclose(value, reference, atol=ATOL), (*where, value, reference)
+                assert local.grad is not None
+                assert torch.allclose(local.grad, expected_grad[:, rows], atol=ATOL), where
     dist.destroy_process_group()
 
 
