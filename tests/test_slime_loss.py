@@ -127,7 +127,7 @@ def test_topk_loss_checks_the_rows_it_is_given(
     narrow = dict(batch)
     narrow[TOPK_IDS] = [t[:, :2] for t in batch[TOPK_IDS]]
     narrow[TOPK_LOGPROBS] = [t[:, :2] for t in batch[TOPK_LOGPROBS]]
-    with pytest.raises(TopKError, match="teacher.top_k 4"):
+    with pytest.raises(TopKError, match=r"teacher\.top_k 4"):
         _call(_args(), narrow, logits)
 
 

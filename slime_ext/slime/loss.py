@@ -45,7 +45,7 @@ from slime_ext.losses import (
 from slime_ext.slime.cp import ResponseSlice, response_slices
 from slime_ext.slime.settings import Parallel, job_config, megatron_parallel
 from slime_ext.slime.topk import needs_topk, rows_for
-from slime_ext.vocab_parallel import VocabShard, token_logprobs
+from slime_ext.vocab_parallel import VocabShard, keep_valid_rows, token_logprobs
 
 METRICS = ("opd_reverse_kl", "student_gt_teacher_frac", "loss_tokens")
 """The keys every call returns (slime sums them across micro-batches by position)."""
@@ -112,6 +112,7 @@ def loss(
             _shard(parallel, args),
             temperature=_temperature(args),
             chunk_size=_chunk_size(args),
+            mask=mask,  # every use of `student` is within the loss mask
         )
     if job.algorithm.recipe == "oprd":
         return _oprd_loss(job, args, batch, slices, student, mask, sum_of_sample_mean, top)
@@ -185,8 +186,8 @@ def _recipe_loss(
     if recipe in ("ssd", "sft"):
         return masked_nll(student, mask), None
     if recipe == "rl":
-        advantages = _sliced_given(batch, "advantages", slices)
-        per_token = torch.where(mask, -advantages * student, torch.zeros_like(student))
+        advantages = keep_valid_rows(_sliced_given(batch, "advantages", slices), mask)
+        per_token = -advantages * student  # 0 off the mask: student is 0 there
         return TokenLoss(per_token, {}), None
     teacher = _sliced_given(batch, "teacher_log_probs", slices)
     if top is not None:
