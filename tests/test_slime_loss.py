@@ -129,6 +129,9 @@ def test_topk_loss_checks_the_rows_it_is_given(
     narrow[TOPK_LOGPROBS] = [t[:, :2] for t in batch[TOPK_LOGPROBS]]
     with pytest.raises(TopKError, match=r"teacher\.top_k 4"):
         _call(_args(), narrow, logits)
+    foreign = dict(batch, **{TOPK_IDS: [t + VOCAB for t in batch[TOPK_IDS]]})
+    with pytest.raises(SlimeBatchError, match="another tokenizer"):
+        _call(_args(), foreign, logits)
 
 
 def test_oprd_loss_without_branch_shares_names_the_missing_hook(

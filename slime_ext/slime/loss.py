@@ -152,6 +152,15 @@ class TeacherTopK:
         self.ids, self.logprobs = rows_for(
             batch, [s.response_index for s in slices], job.teacher.top_k, local_logits.device
         )
+        vocab = getattr(args, "opd_real_vocab_size", None) or (
+            int(args.padded_vocab_size) if parallel.tp_size > 1 else local_logits.size(-1)
+        )
+        if self.ids.numel() and (int(self.ids.min()) < 0 or int(self.ids.max()) >= vocab):
+            # an id past the vocabulary would gather nothing: log-prob 0, probability 1
+            raise SlimeBatchError(
+                f"teacher top-k ids span [{int(self.ids.min())}, {int(self.ids.max())}] of "
+                f"a vocabulary of {vocab}: the teacher serves another tokenizer"
+            )
         self.logits = local_logits
         self.shard = _shard(parallel, args)
         self.temperature = _temperature(args)
