@@ -363,6 +363,22 @@ class ClusterConfig(Section):
     (launch/slime_flags.py)."""
     ray_port: int = Field(default=6379, ge=1, le=65535)
     dashboard_port: int = Field(default=8265, ge=1, le=65535)
+    ray_start_args: list[str] = Field(default_factory=list)
+    """More `ray start` arguments on every node (e.g. --temp-dir, port ranges), appended as
+    given; a node's own shell expands them ($SLURMD_NODENAME under Slurm)."""
+    ray_wait_s: int = Field(default=600, ge=1)
+    """How long the plan waits for the Ray cluster to have every node before failing."""
+    secret_env: list[str] = Field(default_factory=list)
+    """Names of environment variables the Ray job needs (e.g. WANDB_API_KEY, HF_TOKEN),
+    passed by name: each process reads the value from its node's environment (exported
+    where `opd launch` or `sbatch` runs), never written into a plan or a log. The
+    teacher's teacher.api_key_env is passed this way without being listed."""
+    sbatch_options: list[str] = Field(default_factory=list)
+    """Slurm options of `opd launch --sbatch` for every part of the allocation (e.g.
+    --partition=gpu, --account=proj, --time=48:00:00), written as #SBATCH lines."""
+    srun_options: list[str] = Field(default_factory=list)
+    """Options of every srun step in the batch script (e.g. a container runtime:
+    --container-image=... with pyxis, --container-mounts=...)."""
 
 
 class JobConfig(Section):

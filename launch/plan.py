@@ -57,6 +57,9 @@ class Step:
     """The file's text for `write` steps."""
     note: str = ""
     """Why the step looks the way it does, printed as a comment with the plan."""
+    gpus: bool = False
+    """The step uses its node's GPUs (Ray's GPU nodes, the teacher, the conversion): under
+    Slurm it requests them; other steps share the node without them."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ def build_plan(
             update={"url": f"http://{hosts.teacher}:{job.teacher.port}"}
         )
         job = job.model_copy(update={"teacher": teacher})
-    cluster, layout = job.cluster, job.parallel
+    cluster = job.cluster
     run = run_dir or str(job.logging.run_dir)
     job_yaml, hooks_yaml = f"{run}/job.yaml", f"{run}/hooks.yaml"
     hooks: dict[str, object] = {"opd_job_config": job_yaml}
@@ -225,36 +228,8 @@ def build_plan(
         Step("write hook config", "local", hooks_yaml, "write", yaml.safe_dump(hooks)),
     ]
     steps += _teacher_steps(job, hosts, run)
-    gpus = layout.gpus_per_node
-    steps.append(
-        Step(
-            "ray head",
-            hosts.head,
-            f"ray start --head --node-ip-address {hosts.head} --port {cluster.ray_port} "
-            f"--num-gpus {gpus} --disable-usage-stats --dashboard-host 0.0.0.0 "
-            f"--dashboard-port {cluster.dashboard_port}",
-        )
-    )
-    for index, worker in enumerate(hosts.workers, start=1):
-        steps.append(
-            Step(
-                f"ray worker {index}",
-                worker,
-                f"ray start --address {hosts.head}:{cluster.ray_port} --num-gpus {gpus} "
-                "--disable-usage-stats",
-            )
-        )
-    for index, host in enumerate(hosts.sandbox):
-        resources = shlex.quote(json.dumps({SANDBOX_RESOURCE: 1}))
-        steps.append(
-            Step(
-                f"sandbox host {index}",
-                host,
-                f"ray start --address {hosts.head}:{cluster.ray_port} --num-gpus 0 "
-                f"--resources {resources} --disable-usage-stats",
-            )
-        )
-    steps.append(_convert_step(job, hosts))
+    steps.append(_convert_step(job, hosts))  # before Ray holds the head's GPUs
+    steps += _ray_steps(job, hosts)
     submit = _submit_command(job, hooks_yaml, run, wait_for_job)
     steps.append(Step("submit", hosts.head, submit, note=_submit_note(job)))
     return steps
@@ -283,6 +258,7 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
                     f"python3 -m sglang.launch_server --model-path {shlex.quote(teacher.model)} "
                     f"--tp-size {teacher.tp} --host 127.0.0.1 --port 30000",
                     "background",
+                    gpus=True,
                 )
             )
             steps.append(
@@ -297,7 +273,14 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
         env = ""
         if teacher.api_key_env:
             env = f"env OPD_TEACHER_API_KEY=${{{teacher.api_key_env}}} "
-        steps.append(Step("teacher service", hosts.teacher, env + shlex.join(serve), "background"))
+        serving = Step(
+            "teacher service",
+            hosts.teacher,
+            env + shlex.join(serve),
+            "background",
+            gpus=teacher.backend == "hf",  # with sglang, SGLang holds them
+        )
+        steps.append(serving)
     url = f"http://{hosts.teacher}:{teacher.port}" if hosts.teacher else teacher.url
     steps.append(Step("wait teacher", "local", f"{url.rstrip('/')}/health", "wait_http"))
     steps.append(
@@ -385,6 +368,7 @@ def _convert_step(job: JobConfig, hosts: Hosts) -> Step:
         "convert checkpoint",
         hosts.head,
         f"test -f {target}/latest_checkpointed_iteration.txt || ({convert})",
+        gpus=True,
     )
 
 
@@ -479,6 +463,61 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     return args + list(cluster.extra_train_args)
 
 
+def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
+    """Ray on every node, each `ray start --block` as a daemon step (it lives as long as
+    the step, and its processes end with it), the head waited for before the others join
+    and the whole cluster before anything is submitted."""
+    cluster, gpus = job.cluster, job.parallel.gpus_per_node
+    address = f"{hosts.head}:{cluster.ray_port}"
+    extra = f" {' '.join(cluster.ray_start_args)}" if cluster.ray_start_args else ""
+    wait = f"python3 -m launch.wait_ray --address {address} --timeout-s {cluster.ray_wait_s}"
+    steps = [
+        Step(
+            "ray head",
+            hosts.head,
+            f"ray start --block --head --node-ip-address {hosts.head} --port {cluster.ray_port} "
+            f"--num-gpus {gpus} --disable-usage-stats --dashboard-host 0.0.0.0 "
+            f"--dashboard-port {cluster.dashboard_port}{extra}",
+            "background",
+            gpus=gpus > 0,
+        ),
+        Step("wait ray head", hosts.head, f"{wait} --nodes 1"),
+    ]
+    for index, worker in enumerate(hosts.workers, start=1):
+        steps.append(
+            Step(
+                f"ray worker {index}",
+                worker,
+                f"ray start --block --address {address} --node-ip-address {worker} "
+                f"--num-gpus {gpus} --disable-usage-stats{extra}",
+                "background",
+                gpus=gpus > 0,
+            )
+        )
+    for index, host in enumerate(hosts.sandbox):
+        resources = shlex.quote(json.dumps({SANDBOX_RESOURCE: 1}))
+        steps.append(
+            Step(
+                f"sandbox host {index}",
+                host,
+                f"ray start --block --address {address} --node-ip-address {host} --num-gpus 0 "
+                f"--resources {resources} --disable-usage-stats{extra}",
+                "background",
+            )
+        )
+    nodes = 1 + len(hosts.workers) + len(hosts.sandbox)
+    steps.append(Step("wait ray cluster", hosts.head, f"{wait} --nodes {nodes}"))
+    return steps
+
+
+def secret_names(job: JobConfig) -> list[str]:
+    """Environment variables the job's processes read by name (never by value)."""
+    names = list(job.cluster.secret_env)
+    if job.teacher.api_key_env and job.algorithm.recipe in RECIPES_WITH_TEACHER:
+        names.append(job.teacher.api_key_env)
+    return list(dict.fromkeys(names))
+
+
 def _submit_command(job: JobConfig, hooks_yaml: str, run: str, wait: bool) -> str:
     cluster = job.cluster
     env = {
@@ -486,6 +525,8 @@ def _submit_command(job: JobConfig, hooks_yaml: str, run: str, wait: bool) -> st
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "OPD_JOB_CONFIG": f"{run}/job.yaml",
         **cluster.env,
+        # Ray expands ${NAME} in each worker from its node's environment (ray start's)
+        **{name: f"${{{name}}}" for name in secret_names(job)},
     }
     if job.logging.wandb_mode == "offline":
         env["WANDB_MODE"] = "offline"
@@ -525,48 +566,126 @@ def render_dry_run(steps: list[Step], log_dir: str) -> str:
 
 
 def render_sbatch(job: JobConfig, path: Path) -> str:
-    """A Slurm batch script: the allocation's first num_nodes nodes train, the next one
-    (when teacher.node is set) serves the teacher, the rest host sandboxes."""
-    layout, teacher_node = job.parallel, job.teacher.node is not None
-    nodes = layout.num_nodes + int(teacher_node) + len(job.cluster.sandbox_hosts)
-    # exported: srun passes the environment, so a node's own shell sees the names too
-    workers = [f"$NODE_{i}" for i in range(1, layout.num_nodes)]
-    teacher = f"$NODE_{layout.num_nodes}" if teacher_node else None
-    first_sandbox = layout.num_nodes + int(teacher_node)
-    sandbox = [f"$NODE_{first_sandbox + i}" for i in range(len(job.cluster.sandbox_hosts))]
+    """A Slurm batch script for the whole job.
+
+    The allocation: the training nodes and (teacher.node set) the teacher's node, with
+    `parallel.gpus_per_node` GPUs each; the sandbox hosts without GPUs, as a second
+    component of a heterogeneous job. Every step runs with `srun --overlap` on its node
+    (a step never waits for the node's daemons); daemons (Ray's `ray start --block`,
+    SGLang, the teacher service, the snapshot sync) are background steps that live as long
+    as the job, and a trap stops them however the script ends. Nodes' addresses come from
+    Slurm (`scontrol show node`: NodeAddr); secrets are passed by name (exported where
+    `sbatch` runs, Slurm and srun pass the environment on), never written here."""
+    layout, cluster = job.parallel, job.cluster
+    teacher_node = job.teacher.node is not None
+    gpu_nodes = layout.num_nodes + int(teacher_node)
+    cpu_nodes = len(cluster.sandbox_hosts)
+    heterogeneous = cpu_nodes > 0
+    total = gpu_nodes + cpu_nodes
+    # commands name nodes by address ($ADDR_i); srun -w by Slurm name ($NODE_i)
+    hosts = Hosts(
+        "$ADDR_0",
+        [f"$ADDR_{i}" for i in range(1, layout.num_nodes)],
+        f"$ADDR_{layout.num_nodes}" if teacher_node else None,
+        [f"$ADDR_{gpu_nodes + i}" for i in range(cpu_nodes)],
+    )
     run = str(job.logging.run_dir)
-    steps = build_plan(job, Hosts("$NODE_0", workers, teacher, sandbox), run, wait_for_job=True)
+    steps = build_plan(job, hosts, run, wait_for_job=True)
+    gpus = layout.gpus_per_node
+    options = [f"#SBATCH {option}" for option in cluster.sbatch_options]
     lines = [
         "#!/usr/bin/env bash",
         f"#SBATCH --job-name={slug(job.logging.wandb_project)}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={layout.gpus_per_node}",
-        "#SBATCH --exclusive",
         f"#SBATCH --output={run}/logs/slurm-%j.out",
+        f"#SBATCH --nodes={gpu_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        *([f"#SBATCH --gpus-per-node={gpus}"] if gpus else []),
+        "#SBATCH --exclusive",
+        *options,
+    ]
+    if heterogeneous:
+        lines += [
+            "#SBATCH hetjob",
+            f"#SBATCH --nodes={cpu_nodes}",
+            "#SBATCH --ntasks-per-node=1",
+            "#SBATCH --exclusive",
+            *options,
+        ]
+    names = 'scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}"'
+    lines += [
         "# Written by `opd launch --sbatch`; submit with: sbatch " + str(path),
+        "# Secrets are read by name from the environment sbatch runs in: "
+        + (", ".join(secret_names(job)) or "none"),
         "set -euo pipefail",
-        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        *[f"export NODE_{i}=${{NODES[{i}]}}" for i in range(nodes)],
-        f"mkdir -p {shlex.quote(run)}/logs",
-        'on() { local host=$1; shift; srun --nodes=1 --ntasks=1 -w "$host" bash -lc "$*"; }',
+        f"LOGS={shlex.quote(run)}/logs",
+        'mkdir -p "$LOGS"',
+        f"mapfile -t GPU_NODES < <({names})",
+    ]
+    if heterogeneous:
+        lines.append(
+            'mapfile -t CPU_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1")'
+        )
+    lines.append('addr() { scontrol show node "$1" | tr " " "\\n" | sed -n "s/^NodeAddr=//p"; }')
+    group_of = {}
+    for i in range(total):
+        source = f"GPU_NODES[{i}]" if i < gpu_nodes else f"CPU_NODES[{i - gpu_nodes}]"
+        lines.append(f'export NODE_{i}="${{{source}}}"; export ADDR_{i}="$(addr "$NODE_{i}")"')
+        group_of[f"$ADDR_{i}"] = (f"$NODE_{i}", 0 if i < gpu_nodes else 1)
+    srun = ["srun"]
+    if heterogeneous:
+        srun.append('--het-group="$group"')
+    srun += [
+        "--nodes=1",
+        "--ntasks=1",
+        '-w "$host"',
+        "--overlap",
+        '${gpus:+--gpus-per-node="$gpus"}',
+    ]
+    srun += [shlex.quote(option) for option in cluster.srun_options]
+    shell = " ".join(shlex.quote(part) for part in cluster.remote_shell)
+    lines += [
+        "DAEMONS=()",
+        "teardown() {",
+        "  local status=$?",
+        "  trap - EXIT INT TERM",
+        '  echo "teardown: stopping ${#DAEMONS[@]} daemon step(s)"',
+        '  for pid in "${DAEMONS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
+        '  for pid in "${DAEMONS[@]}"; do wait "$pid" 2>/dev/null || true; done',
+        '  exit "$status"',
+        "}",
+        "trap teardown EXIT INT TERM",
+        "# step GROUP GPUS HOST COMMAND: one task on HOST, sharing the node with its other steps",
+        "step() {",
+        "  local group=$1 gpus=$2 host=$3; shift 3",
+        f'  {" ".join(srun)} {shell} "$*"',
+        "}",
+        "# daemon NAME GROUP GPUS HOST COMMAND: a step left running until the job ends",
+        "daemon() {",
+        "  local name=$1; shift",
+        '  step "$@" > "$LOGS/$name.log" 2>&1 &',
+        '  DAEMONS+=("$!")',
+        "}",
     ]
     for step in steps:
         lines.append(f"# {step.name}")
         if step.note:
             lines.append(f"# {step.note}")
-        if step.kind == "write":  # unquoted: the teacher's ${NODES[i]} expands
+        if step.kind == "write":  # unquoted: the teacher's $ADDR_i expands
             lines.append(f"cat > {step.command} <<EOF\n{step.content.rstrip()}\nEOF")
-        elif step.kind == "wait_http":
+            continue
+        if step.kind == "wait_http":
             lines.append(_wait(step.command))
-        elif step.kind == "check_tokenizer":
+            continue
+        if step.kind == "check_tokenizer":
             lines.append(f"# `opd launch` compares {step.command}'s tokenizer with the student's")
-        elif step.kind == "background":
-            log = f"{run}/logs/{slug(step.name)}.log"
-            lines.append(f'on "{step.host}" {shlex.quote(step.command + " > " + log + " 2>&1")} &')
+            continue
+        node, group = group_of[step.host]
+        where = f'{group} "{gpus if step.gpus and group == 0 else ""}" "{node}"'
+        if step.kind == "background":
+            lines.append(f"daemon {slug(step.name)} {where} {shlex.quote(step.command)}")
         else:
-            lines.append(f'on "{step.host}" {shlex.quote(step.command)}')
-    # `ray job submit` returned: the job ended; leaving ends the allocation's other steps
+            lines.append(f"step {where} {shlex.quote(step.command)}")
+    # `ray job submit` returned: the job ended; the trap stops the daemons
     return "\n".join(lines) + "\n"
 
 

@@ -691,6 +691,13 @@ def _fake_cluster(
         '  echo "ray: could not reach the head node" >&2; exit 3\nfi\n'
     )
     (bin_dir / "torchrun").write_text('#!/bin/bash\necho "torchrun $*" >> "$TRACE"\n')
+    # the plan's Ray waits are recorded, not run (the fake ray starts no cluster)
+    (bin_dir / "python3").write_text(
+        '#!/bin/bash\nif [ "$1 $2" = "-m launch.wait_ray" ]; then echo "wait_ray $*" >> "$TRACE"\n'
+        '  if [ -n "$FAIL_ON" ] && [[ "$*" == *"$FAIL_ON"* ]]; then\n'
+        '    echo "ray at node-0:6379: 2 of 3 nodes alive after 600 s" >&2; exit 1\n  fi\n'
+        f'  exit 0\nfi\nexec {sys.executable} "$@"\n'
+    )
     for script in bin_dir.iterdir():
         script.chmod(0o755)
     slime = tmp_path / "slime/scripts/models"
@@ -758,12 +765,17 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
         _stop_teacher(job.teacher.port)
     log = trace.read_text().splitlines()
     hosts = [line.removeprefix("HOST ") for line in log if line.startswith("HOST ")]
-    assert hosts == ["127.0.0.1", "node-0", "node-1", "cpu-0", "node-0", "node-0"]
+    assert hosts == [
+        "127.0.0.1", "node-0", "node-0", "node-0", "node-1", "cpu-0", "node-0", "node-0"
+    ]  # fmt: skip
     rays = [line for line in log if line.startswith("ray ")]
-    assert rays[0].startswith("ray start --head --node-ip-address node-0")
-    assert rays[1].startswith("ray start --address node-0:6379 --num-gpus 1")
+    assert rays[0].startswith("ray start --block --head --node-ip-address node-0")
+    assert rays[1].startswith("ray start --block --address node-0:6379 --node-ip-address node-1")
     assert '"opd_sandbox_host": 1' in rays[2]
     assert rays[3].startswith("ray job submit --address http://127.0.0.1:8265 --no-wait")
+    waits = [line for line in log if line.startswith("wait_ray ")]
+    assert [w.split("--nodes ")[1] for w in waits] == ["1", "3"]  # the head, then everyone
+    assert log.index(waits[0]) < log.index(rays[1]) and log.index(waits[1]) < log.index(rays[3])
     assert "train.py --num-layers 2 --hidden-size 64 --actor-num-nodes 2" in rays[3]
     assert any(line.startswith("torchrun --nproc-per-node 1") for line in log)  # converted
     assert (tmp_path / "run/job.yaml").is_file() and (tmp_path / "run/hooks.yaml").is_file()
@@ -859,9 +871,7 @@ def test_opsd_refresh_launch_reloads_the_teacher_from_a_checkpoint_with_a_standi
 def test_launch_stops_at_the_first_failing_step_and_says_so(
     tmp_path: Path, factory_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job, trace = _fake_cluster(
-        tmp_path, factory_dir, monkeypatch, fail_on="--address node-0:6379 --num-gpus 1"
-    )
+    job, trace = _fake_cluster(tmp_path, factory_dir, monkeypatch, fail_on="--nodes 3")
     job = job.model_copy(
         update={"teacher": job.teacher.model_copy(update={"node": None})}
     )  # a teacher started by someone else: here, none is running
@@ -870,13 +880,14 @@ def test_launch_stops_at_the_first_failing_step_and_says_so(
     with pytest.raises(LaunchError, match=r"step 3/\d+ 'wait teacher' on local failed"):
         Executor(job, report=lambda _: None, wait_timeout_s=2).run(steps)
     assert not trace.exists()
-    # skip the teacher: the worker's ray start fails, the submit never runs
+    # skip the teacher: a node's Ray never joins (its daemon step failed), the wait for the
+    # whole cluster says so, the submit never runs
     steps = [s for s in steps if "teacher" not in s.name]
     with pytest.raises(LaunchError) as caught:
         Executor(job, report=lambda _: None).run(steps)
     message = str(caught.value)
-    assert "'ray worker 1' on node-1 failed: exit code 3" in message
-    assert "could not reach the head node" in message and "were not run" in message
+    assert "'wait ray cluster' on node-0 failed: exit code 1" in message
+    assert "2 of 3 nodes alive" in message and "were not run" in message
     assert "job submit" not in trace.read_text()
 
 
@@ -884,4 +895,5 @@ def test_dry_run_names_every_host_and_command() -> None:
     job = load_config(EXAMPLE)
     text = render_dry_run(build_plan(job, hosts_from_config(job)), "/logs")
     assert text.count("# ") >= 15
-    assert "@ teacher-node (background)" in text and "@ train-node-3 (run)" in text
+    assert "@ teacher-node (background)" in text and "@ train-node-3 (background)" in text
+    assert "ray start --block --address train-node-0:6379 --node-ip-address train-node-3" in text
