@@ -534,7 +534,10 @@ def _submit_command(job: JobConfig, hooks_yaml: str, run: str, wait: bool) -> st
     return (
         f"{_in_slime(job)} && ray job submit --address http://127.0.0.1:{cluster.dashboard_port} "
         + ("" if wait else "--no-wait ")
-        + f'--runtime-env-json {runtime_env} -- python3 train.py "${{MODEL_ARGS[@]}}" '
+        # the entrypoint runs in the Ray job supervisor's directory, not this one
+        + f"--runtime-env-json {runtime_env} -- python3 "
+        + shlex.quote(f"{cluster.slime_dir.rstrip('/')}/train.py")
+        + ' "${MODEL_ARGS[@]}" '
         + shlex.join(train_args(job, hooks_yaml))
     )
 

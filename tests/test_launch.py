@@ -776,7 +776,7 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
     waits = [line for line in log if line.startswith("wait_ray ")]
     assert [w.split("--nodes ")[1] for w in waits] == ["1", "3"]  # the head, then everyone
     assert log.index(waits[0]) < log.index(rays[1]) and log.index(waits[1]) < log.index(rays[3])
-    assert "train.py --num-layers 2 --hidden-size 64 --actor-num-nodes 2" in rays[3]
+    assert "/slime/train.py --num-layers 2 --hidden-size 64 --actor-num-nodes 2" in rays[3]
     assert any(line.startswith("torchrun --nproc-per-node 1") for line in log)  # converted
     assert (tmp_path / "run/job.yaml").is_file() and (tmp_path / "run/hooks.yaml").is_file()
     assert (tmp_path / "run/logs/teacher-service.log").is_file()
