@@ -176,7 +176,16 @@ def launch(
         if sbatch is not None:
             sbatch.parent.mkdir(parents=True, exist_ok=True)
             sbatch.write_text(render_sbatch(config, sbatch))
-            console.print(f"wrote {sbatch}; submit it with: sbatch {sbatch}", highlight=False)
+            logs = Path(config.logging.run_dir) / "logs"
+            try:  # Slurm opens the job's --output there before the script runs
+                logs.mkdir(parents=True, exist_ok=True)
+                where = f"its output goes to {logs}"
+            except OSError as err:
+                where = f"create {logs} where sbatch runs first ({err.strerror}): Slurm opens "
+                where += "the job's output there before the script runs"
+            console.print(
+                f"wrote {sbatch}; submit it with: sbatch {sbatch} ({where})", highlight=False
+            )
             return
         steps = build_plan(config, hosts_from_config(config))
         if dry_run:  # plain text: rich would wrap the long commands

@@ -1,0 +1,222 @@
+"""`opd launch --sbatch` on a REAL Slurm: the generated batch script, submitted with sbatch
+to a 7-node Slurm on this host (tests/slurm_cluster.py), under proctrack/cgroup and
+proctrack/linuxproc.
+
+Real: Slurm (sbatch, srun steps, a heterogeneous allocation with fake GPUs), Ray (one
+`ray start --block` per node, on the node's Slurm address), `opd-teacher serve` (a factory
+model on CPU, with an API key), `launch.wait_ray`, `ray job submit`. Stand-ins, through the
+config (named as such): slime's checkout (`cluster.slime_dir`: a `train.py` that probes the
+cluster instead of training, a no-op `tools/convert_hf_to_torch_dist.py`, a MODEL_ARGS
+script). The stand-in train.py reports what the job's processes see: the nodes and their
+resources, a Ray task on a training node calling the teacher with the key Ray expanded from
+its node's environment (and without it), a task on the sandbox host.
+
+Checked: the job completes; Ray had every node (training nodes with GPUs, the sandbox
+host with the sandbox resource and none); the teacher answered 200 with the key and 401
+without; the key's value appears in no file the plan wrote; afterwards no Ray, teacher or
+stand-in process is left and the queue is empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launch.config import config_from_dict
+from launch.plan import render_sbatch
+from tests.live_server import free_port
+from tests.slurm_cluster import Proctrack, require_slurm, slurm_cluster
+
+KEY_NAME = "OPD_SLURM_TEST_TEACHER_KEY"
+KEY_VALUE = "k-" + "".join(random.choice("abcdef0123456789") for _ in range(24))
+LEFTOVERS = ("raylet", "gcs_server", "opd-teacher", "dashboard/agent.py", "slime-standin")
+TRAIN_STANDIN = '''"""Stand-in for slime's train.py (tests/test_launch_slurm.py): probes the
+cluster the plan built and writes what it saw next to the job config; trains nothing."""
+import json, os, sys
+from pathlib import Path
+
+import httpx, ray, yaml
+
+job = yaml.safe_load(Path(os.environ["OPD_JOB_CONFIG"]).read_text())
+key_name, url = job["teacher"]["api_key_env"], job["teacher"]["url"]
+ray.init(address="auto", logging_level="ERROR")
+nodes = [
+    {"ip": n["NodeManagerAddress"], "resources": n["Resources"]}
+    for n in ray.nodes() if n["Alive"]
+]
+
+
+@ray.remote(num_gpus=1)
+def on_a_training_node():
+    key = os.environ.get(key_name, "")
+    item = {"input_ids": [1, 2, 3, 4], "span_start": 2}
+    scored = httpx.post(
+        f"{url}/v1/score", json={"requests": [item]},
+        headers={"Authorization": f"Bearer {key}"}, timeout=60,
+    )
+    refused = httpx.post(f"{url}/v1/score", json={"requests": [item]}, timeout=60)
+    return {
+        "ip": ray.util.get_node_ip_address(), "key_set": bool(key),
+        "key_unexpanded": key.startswith("${"), "with_key": scored.status_code,
+        "without_key": refused.status_code,
+    }
+
+
+@ray.remote(resources={"opd_sandbox_host": 1})
+def on_the_sandbox_host():
+    return {"ip": ray.util.get_node_ip_address(), "gpus": ray.get_gpu_ids()}
+
+
+report = {
+    "nodes": nodes,
+    "training": ray.get(on_a_training_node.remote(), timeout=120),
+    "sandbox": ray.get(on_the_sandbox_host.remote(), timeout=120),
+    "argv": sys.argv[1:],
+}
+out = Path(os.environ["OPD_JOB_CONFIG"]).parent / "standin-train.json"
+out.write_text(json.dumps(report))
+print("standin train.py:", json.dumps(report))
+'''
+CONVERT_STANDIN = '''"""Stand-in for slime's tools/convert_hf_to_torch_dist.py: marks --save
+converted."""
+import os, sys
+from pathlib import Path
+
+save = Path(sys.argv[sys.argv.index("--save") + 1])
+if os.environ.get("RANK", "0") == "0":
+    save.mkdir(parents=True, exist_ok=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("release")
+'''
+
+
+def _standin_slime(directory: Path) -> Path:
+    """A checkout of slime whose programs are stand-ins (the cluster.slime_dir)."""
+    slime = directory / "slime-standin"
+    (slime / "tools").mkdir(parents=True)
+    (slime / "scripts/models").mkdir(parents=True)
+    (slime / "train.py").write_text(TRAIN_STANDIN)
+    (slime / "tools/convert_hf_to_torch_dist.py").write_text(CONVERT_STANDIN)
+    (slime / "scripts/models/tiny.sh").write_text("MODEL_ARGS=(--num-layers 2)\n")
+    return slime
+
+
+def _ray_node_args(temp: Path) -> list[str]:
+    """Several Ray nodes on one host: each its own temp dir and port block (REFERENCE.md,
+    Slurm and Ray on one host); node K of the Slurm cluster is named nodeK. The temp dir
+    is short: Ray's sockets live under it (Unix socket paths hold 107 bytes)."""
+    base = random.Random().randrange(20000, 40000, 1000)
+    index = "${SLURMD_NODENAME#node}"
+    port = f"$(({base} + {index} * 100"
+    return [
+        f"--temp-dir={temp}/$SLURMD_NODENAME",
+        "--num-cpus=2",
+        f"--node-manager-port={port}))",
+        f"--object-manager-port={port} + 1))",
+        f"--metrics-export-port={port} + 2))",
+        f"--dashboard-agent-listen-port={port} + 3))",
+        f"--dashboard-agent-grpc-port={port} + 4))",
+        f"--runtime-env-agent-port={port} + 5))",
+        f"--min-worker-port={port} + 10))",
+        f"--max-worker-port={port} + 99))",
+    ]
+
+
+def _job(directory: Path, factory_dir: Path, ray_temp: Path) -> Any:
+    slime = _standin_slime(directory)
+    run = directory / "run"
+    tasks = directory / "tasks.jsonl"
+    tasks.write_text("")
+    return config_from_dict(
+        {
+            "model": {"student": str(factory_dir)},
+            "parallel": {"num_nodes": 2, "gpus_per_node": 4, "max_tokens_per_gpu": 8192},
+            "teacher": {
+                "kind": "remote",
+                "backend": "hf",
+                "model": str(factory_dir),
+                "node": "slurm-allocated",
+                "url": "http://slurm-allocated:1",  # the plan serves it: replaced
+                "port": free_port(),
+                "api_key_env": KEY_NAME,
+                "serve_args": ["--device", "cpu", "--dtype", "float32"],
+            },
+            "logging": {"run_dir": str(run), "wandb_mode": "disabled"},
+            "cluster": {
+                "executor": "srun",
+                "sandbox_hosts": ["slurm-allocated"],
+                "remote_shell": ["bash", "-c"],
+                "slime_dir": str(slime),
+                "megatron_dir": str(directory),
+                "model_args_script": "scripts/models/tiny.sh",
+                "megatron_checkpoint": str(directory / "ckpt"),
+                "save_dir": str(directory / "save"),
+                "tasks_file": str(tasks),
+                "ray_port": free_port(),
+                "dashboard_port": free_port(),
+                "ray_start_args": _ray_node_args(ray_temp),
+                "ray_wait_s": 180,
+                "sbatch_options": ["--time=15"],
+            },
+        }
+    )
+
+
+def _job_env() -> dict[str, str]:
+    """What a user's shell exports before sbatch: the venv's programs, the teacher's key
+    (by name), Ray's token auth when this machine has it turned on."""
+    env = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        KEY_NAME: KEY_VALUE,
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
+    token = Path.home() / ".ray/auth_token"
+    if token.exists():
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    return env
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("proctrack", ["cgroup", "linuxproc"])
+def test_the_generated_sbatch_script_runs_the_job_on_slurm_and_leaves_nothing(
+    tmp_path: Path, factory_dir: Path, proctrack: Proctrack, request: pytest.FixtureRequest
+) -> None:
+    require_slurm(proctrack)
+    ray_temp = Path(tempfile.mkdtemp(prefix="opd-ray-"))
+    request.addfinalizer(lambda: shutil.rmtree(ray_temp, ignore_errors=True))
+    job = _job(tmp_path, factory_dir, ray_temp)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(job, script))
+    (tmp_path / "run/logs").mkdir(parents=True)  # as `opd launch --sbatch` does
+    assert KEY_VALUE not in script.read_text()
+    with slurm_cluster(tmp_path / "slurm", proctrack) as cluster:
+        job_id = cluster.sbatch(script, _job_env())
+        state = cluster.wait_job(job_id, timeout_s=360)
+        output = "\n".join(
+            f"--- {path.name}\n{path.read_text()[-3000:]}"
+            for path in sorted((tmp_path / "run/logs").glob("*"))
+        )
+        assert state == "COMPLETED", output
+        report = json.loads((tmp_path / "run/standin-train.json").read_text())
+        gpu_ips = {n["ip"] for n in report["nodes"] if n["resources"].get("GPU", 0) == 4}
+        sandbox = [n for n in report["nodes"] if "opd_sandbox_host" in n["resources"]]
+        assert len(report["nodes"]) == 3 and len(gpu_ips) == 2, report["nodes"]
+        assert len(sandbox) == 1 and sandbox[0]["resources"].get("GPU", 0) == 0
+        addresses = set(cluster.node_addresses.values())
+        assert gpu_ips <= addresses and sandbox[0]["ip"] in addresses
+        training = report["training"]
+        assert training["key_set"] and not training["key_unexpanded"], training
+        assert (training["with_key"], training["without_key"]) == (200, 401), training
+        assert training["ip"] in gpu_ips and report["sandbox"]["gpus"] == []
+        for path in (tmp_path / "run").rglob("*"):
+            if path.is_file():
+                assert KEY_VALUE not in path.read_text(errors="replace"), path
+        assert cluster.wait_queue_empty(timeout_s=30) == []
+        assert cluster.processes_left(LEFTOVERS) == []
