@@ -17,12 +17,21 @@ from pathlib import Path
 from sandbox.base import SandboxFileError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+PATH_MAX = 4096
+"""Linux's limit on a path, its terminating NUL included."""
 
 
 def _components(workdir: Path, path: str) -> list[str]:
-    """`path` as components below `workdir`; refuses anything that leaves it."""
+    """`path` as components below `workdir`; refuses anything that leaves it, and any path
+    the sandbox itself could not name (a NUL byte, unencodable text, over PATH_MAX)."""
     if "\x00" in path:
         raise SandboxFileError(f"path {path!r} contains a NUL byte")
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise SandboxFileError(f"path {path!r} cannot be encoded ({exc.reason})") from None
+    if len(encoded) >= PATH_MAX:
+        raise SandboxFileError(f"path {path[:64]!r}... is longer than {PATH_MAX - 1} bytes")
     normal = os.path.normpath(path)
     if os.path.isabs(normal):
         root = os.path.normpath(str(workdir))

@@ -12,7 +12,9 @@ strict (bubblewrap, host runs as root):
 basic (no bubblewrap):
     [as uid] prlimit <limits> -- setpriv --no-new-privs -- COMMAND
   Same uid, rlimits and no_new_privs; the host file system is visible with ordinary Unix
-  permissions and the network is the host's.
+  permissions and the network is the host's. The python worker alone starts as root
+  (`privileged_start`) and drops to the uid itself, to reach an interpreter under a
+  root-only directory (python_worker_child.py).
 """
 
 from __future__ import annotations
@@ -217,11 +219,12 @@ class Jail:
             mounted.append(path)
         return args
 
-    def spawn_kwargs(self) -> dict[str, Any]:
+    def spawn_kwargs(self, privileged_start: bool = False) -> dict[str, Any]:
         """Options for asyncio.create_subprocess_exec: its own session (so a deadline
-        can kill the process group), and in basic mode the uid to run as."""
+        can kill the process group), and in basic mode the uid to run as (unless the
+        command drops to it itself: `privileged_start`)."""
         kwargs: dict[str, Any] = {"start_new_session": True, "cwd": str(self.workdir)}
-        if self.isolation == "basic" and self.uid is not None:
+        if self.isolation == "basic" and self.uid is not None and not privileged_start:
             kwargs.update(user=self.uid, group=self.uid, extra_groups=[])
         return kwargs
 

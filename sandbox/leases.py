@@ -5,7 +5,8 @@ root: RLIMIT_NPROC counts processes per uid (and never limits root), a process m
 signal processes of its own uid, and a 0700 directory is closed to every other uid. Uids
 come from a reserved range; an flock on `<root>/locks/<uid>.lock` marks one in use, across
 processes, and is released by the kernel if the holder dies. A new holder first kills
-whatever a dead holder left running under the uid and removes its directory.
+whatever a dead holder left running under the uid and removes its directory. Taking and
+giving back a uid both remove what it left elsewhere on the host (`sandbox.leftovers`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox.base import SandboxCleanupError, SandboxResourceError, SandboxStartError
+from sandbox.leftovers import remove_uid_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +82,9 @@ def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
         workdir = root_dir / f"work-{uid}"
         try:
             remove_tree(workdir)
+            remove_uid_leftovers(uid, remove_tree_at)
         except OSError as exc:  # e.g. an immutable file: this uid stays out of use
-            logger.warning("sandbox uid %d skipped: cannot remove %s: %s", uid, workdir, exc)
+            logger.warning("sandbox uid %d skipped: cannot remove what it left: %s", uid, exc)
             os.close(lock_fd)
             continue
         try:
@@ -98,13 +101,17 @@ def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
 
 
 def release(lease: SandboxLease) -> None:
-    """Remove the working directory and free the uid (its processes must be dead). The uid
-    is freed even when the directory cannot be removed: its next holder retries."""
+    """Remove the working directory and what the uid left elsewhere on the host, and free
+    the uid (its processes must be dead). The uid is freed even when something cannot be
+    removed: its next holder retries."""
     try:
         remove_tree(lease.workdir)
+        if lease.uid is not None:
+            remove_uid_leftovers(lease.uid, remove_tree_at)
     except OSError as exc:
         raise SandboxCleanupError(
-            f"cannot remove the working directory {lease.workdir}: {exc}"
+            f"cannot remove what the sandbox left ({lease.workdir}, scratch files, IPC "
+            f"objects, keys of uid {lease.uid}): {exc}"
         ) from exc
     finally:
         if lease.lock_fd is not None:
@@ -125,16 +132,21 @@ def remove_tree(path: Path) -> None:
     except FileNotFoundError:
         return
     try:
-        try:
-            info = os.stat(path.name, dir_fd=parent_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(info.st_mode):
-            _remove_dir_at(parent_fd, path.name)
-        else:
-            os.unlink(path.name, dir_fd=parent_fd)
+        remove_tree_at(parent_fd, path.name)
     finally:
         os.close(parent_fd)
+
+
+def remove_tree_at(parent_fd: int, name: str) -> None:
+    """`remove_tree` of the entry `name` of the directory open as `parent_fd`."""
+    try:
+        info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        _remove_dir_at(parent_fd, name)
+    else:
+        os.unlink(name, dir_fd=parent_fd)
 
 
 def _remove_dir_at(parent_fd: int, name: str) -> None:

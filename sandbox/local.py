@@ -16,6 +16,13 @@ Limits of this backend, stated plainly:
 - In strict mode each exec is its own pid namespace: background processes die with the
   command that started them. In basic mode they live until close(), and processes that
   left the process group are reached only by a sweep of the sandbox's uid.
+- What the uid leaves outside the working directory (basic mode: files in the host's
+  scratch directories, System V IPC objects; either mode: keys in its keyrings) is
+  removed when the uid is given back and again when it is next taken (sandbox.leftovers).
+- Commands, paths and environments no process can be given (a NUL byte, unencodable
+  text, an argument over the kernel's limit) are the command's failure: exit code 126,
+  or a SandboxFileError for file transfer. Nothing but SandboxErrors is raised, except
+  ValueError for a timeout that is not positive and finite (the caller's bug).
 - Memory and process limits are reported (`limit_hit`) from the error the program
   printed; the kernel keeps no per-uid count of RLIMIT_AS/RLIMIT_NPROC refusals.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import math
@@ -198,27 +206,45 @@ class LocalSandbox(StartsAndCloses):
         cwd: str | None = None,
         env: dict[str, str] | None = None,
     ) -> ExecResult:
-        """Run `cmd` with bash in the working directory (or `cwd`, relative to it)."""
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        """Run `cmd` with bash in the working directory (or `cwd`, relative to it). A
+        command no process can be given (a NUL byte, text that is not encodable, more
+        than the kernel takes as arguments) fails like a shell's would, with exit code
+        126. `timeout_s` must be positive and finite (ValueError: a caller's bug)."""
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
         await self.start()
+        started = time.monotonic()
+        if (problem := _unpassable(cmd, cwd, env)) is not None:
+            return _cannot_execute(problem, started)
         command = ["/bin/bash", "-c", cmd]
         if cwd is not None:
             # Changing directory as the sandbox uid, not as root before the drop, so a
             # symlink in the working directory cannot lead root somewhere.
             command = ["env", f"--chdir={cwd}", "--", *command]
-        return await self._run(command, timeout_s, self.limits(math.ceil(timeout_s) + 1), env)
+        limits = self.limits(math.ceil(timeout_s) + 1)
+        try:
+            return await self._run(command, timeout_s, limits, env)
+        except _ArgumentsTooLongError as exc:
+            return _cannot_execute(str(exc), started)
 
     async def spawn(
         self,
         command: Sequence[str],
         env: dict[str, str] | None = None,
         ro_files: Sequence[Path] = (),
+        privileged_start: bool = False,
     ) -> SandboxProcess:
         """Start a long-lived process in this sandbox with stdin/stdout/stderr pipes
-        (the python worker); no CPU limit, since it accumulates across calls."""
+        (the python worker); no CPU limit, since it accumulates across calls.
+        `privileged_start`: in basic mode on a root host the command starts as root (under
+        the rlimits, no_new_privs, in its own session) and must itself drop to `uid`
+        before it runs anything it did not write; ignored in strict mode, where bubblewrap
+        mounts what it needs and the drop comes first."""
         await self.start()
-        return await self._start_process(command, self.limits(None), env, ro_files, True, None)
+        limits = self.limits(None)
+        return await self._start_process(
+            command, limits, env, ro_files, True, None, privileged_start
+        )
 
     async def _start_process(
         self,
@@ -228,6 +254,7 @@ class LocalSandbox(StartsAndCloses):
         ro_files: Sequence[Path],
         with_stdin: bool,
         status_fd: int | None,
+        privileged_start: bool = False,
     ) -> SandboxProcess:
         jail = self._started_jail()
         argv = jail.argv(command, limits, ro_files=ro_files, status_fd=status_fd)
@@ -238,11 +265,15 @@ class LocalSandbox(StartsAndCloses):
                 full_env,
                 with_stdin,
                 pass_fds=() if status_fd is None else (status_fd,),
-                **jail.spawn_kwargs(),
+                **jail.spawn_kwargs(privileged_start),
             )
         except BlockingIOError as exc:
             raise SandboxResourceError(f"the host refused a process: {exc}") from exc
         except OSError as exc:
+            if exc.errno == errno.E2BIG:
+                raise _ArgumentsTooLongError(
+                    f"the command is longer than the kernel takes ({exc.strerror})"
+                ) from exc
             raise SandboxStartError(f"cannot start {argv[0]}: {exc}") from exc
         self._procs.add(process)
         return process
@@ -379,6 +410,37 @@ class LocalSandbox(StartsAndCloses):
                 raise
             except Exception as exc:
                 raise SandboxCleanupError(f"closing the sandbox failed: {exc!r}") from exc
+
+
+class _ArgumentsTooLongError(SandboxStartError):
+    """execve refused the command line (E2BIG): the command's fault, not the host's."""
+
+
+def _unpassable(cmd: str, cwd: str | None, env: dict[str, str] | None) -> str | None:
+    """Why `cmd`, `cwd` or `env` cannot be handed to a process, or None."""
+    texts = [("the command", cmd), ("cwd", cwd or "")]
+    for name, value in (env or {}).items():
+        if "=" in name:
+            return f"{name!r} is not a valid environment variable name"
+        texts += [("an environment variable", name), ("an environment variable", value)]
+    for what, text in texts:
+        if "\x00" in text:
+            return f"{what} contains a NUL byte"
+        try:
+            os.fsencode(text)
+        except UnicodeEncodeError as exc:
+            return f"{what} holds text that cannot be encoded ({exc.reason})"
+    return None
+
+
+def _cannot_execute(problem: str, started: float) -> ExecResult:
+    message = f"the sandbox cannot run this command: {problem}\n"
+    return ExecResult(
+        exit_code=126,
+        stderr=message,
+        stderr_bytes=len(message.encode()),
+        duration_s=time.monotonic() - started,
+    )
 
 
 def _read_all(fd: int) -> bytes:

@@ -1,41 +1,52 @@
 """PythonWorker: the TIR python tool, one persistent interpreter per trajectory.
 
 A trajectory calls python up to 16 times and later cells use names earlier cells
-defined, so one interpreter (python_worker_child.py) lives in a LocalSandbox for the
-whole trajectory, with numpy and sympy imported once at start. Each call has a
-wall-clock deadline: RLIMIT_CPU would accumulate over the calls of one process, so the
-deadline is the host's, and a call that passes it kills the worker and everything it
-started. So does a crash (segfault, os._exit) or an output flood. The next call starts a
-fresh worker and says so (`worker_restarted`), because the model's variables are gone.
+defined, so one worker (python_worker_child.py) lives in a LocalSandbox for the whole
+trajectory, with numpy and sympy imported once at start. Inside it a supervisor talks to
+this host and a separate process runs the cells: user code never holds the reply
+channel, and the supervisor takes what the cells' process says as untrusted, so no cell
+can forge, end early or desynchronize a reply. The replies are still checked here (a
+malformed frame ends the worker with a SandboxDiedError; the next call starts afresh).
+
+Each call has a wall-clock deadline: RLIMIT_CPU would accumulate over the calls of one
+process, so the deadline is the host's, and a call that passes it kills the worker and
+everything it started. So does an output flood. Work a call leaves behind is stopped when
+it ends: its child processes are killed, its threads die with the process that ran it
+(the namespace lives on in a single-threaded fork), and between calls the cells' process
+is stopped (SIGSTOP). A crash (segfault, os._exit) loses the names defined so far. The
+next call runs in a fresh worker and says so (`worker_restarted`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import math
+import os
+import shutil
+import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandbox.base import ExecResult, LimitName, SandboxDiedError, SandboxStartError, StartsAndCloses
 from sandbox.jail import limit_from_exit
 from sandbox.local import LocalSandbox, LocalSandboxConfig, warn_once
-from sandbox.output import READ_CHUNK_BYTES, HeadTailBuffer, OutputBudget
+from sandbox.output import HeadTailBuffer, OutputBudget, pump
 from sandbox.process import SandboxProcess
 
 CHILD_SCRIPT = Path(__file__).with_name("python_worker_child.py")
-END_MARKER = b"\x00OPD-CELL-END "
-"""Must match python_worker_child.END_MARKER (that file imports nothing of ours)."""
+FRAME_HEADER = struct.Struct("!cI")
+"""Must match python_worker_child.FRAME_HEADER (that file imports nothing of ours)."""
+FRAME_KINDS = (b"o", b"e", b"r")
+MAX_FRAME_BYTES = 1 << 20
 SINGLE_THREADED_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 """Thousands of workers share the host's cores; BLAS thread pools would oversubscribe
 them, reserve address space per thread, and count against the process cap (threads are
 processes to RLIMIT_NPROC)."""
-
-Stream = Literal["stdout", "stderr"]
 
 
 class PythonWorkerConfig(BaseModel):
@@ -45,7 +56,10 @@ class PythonWorkerConfig(BaseModel):
     """Isolation and limits of the sandbox the worker runs in; its `env` may override
     SINGLE_THREADED_ENV."""
     python: str | None = None
-    """Interpreter to run; default: this process's (its prefix is mounted read-only)."""
+    """Interpreter to run; default: this process's. Strict isolation mounts its prefixes
+    read-only; basic isolation starts it as root, which hands the cells descriptors of
+    the import paths the sandbox uid cannot reach (a venv under /root) and drops to the
+    uid before anything else runs."""
     preload_modules: list[str] = Field(default_factory=lambda: ["numpy", "sympy"])
     """Imported once per worker start, so cells that import them pay nothing."""
     echo_last_expression: bool = True
@@ -63,89 +77,111 @@ class WorkerExecResult(ExecResult):
     """This call ended the worker; the next call runs in a fresh one."""
 
 
+class _Ready(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    ready: Literal[True]
+    preload_errors: dict[str, str]
+
+
+class _CallEnd(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    exit_code: int = Field(ge=0, le=255)
+    state_lost: bool
+    """The cells' process did not survive the call; the supervisor forked a fresh one."""
+    reason: str | None
+
+
 class _Cell:
-    """Output of one call, read from the worker's pipes until the call's end marker."""
+    """One call's output and its end, as the worker's frames deliver them."""
 
     def __init__(self, head_bytes: int, tail_bytes: int, budget_bytes: int) -> None:
-        self.marker: bytes | None = None
-        """Set when the call is sent; output read before that came between calls."""
         self.out = HeadTailBuffer(head_bytes, tail_bytes)
         self.err = HeadTailBuffer(head_bytes, tail_bytes)
         self.budget = OutputBudget(budget_bytes)
-        self.reply: dict[str, Any] | None = None
-        self.ended: dict[Stream, bool] = {"stdout": False, "stderr": False}
-        self.eof = False
+        self.reply: bytes | None = None
+        self.protocol_error: str | None = None
         self.finished = asyncio.Event()
-        self._next: _Cell | None = None
 
-    def successor(self) -> _Cell:
-        """Where output after this cell's end marker goes (the next call's output)."""
-        if self._next is None:
-            self._next = _Cell(self.out.head_bytes, self.out.tail_bytes, self.budget.limit_bytes)
-        return self._next
-
-    def feed(self, stream: Stream, data: bytes) -> None:
-        (self.out if stream == "stdout" else self.err).feed(data)
-        self.budget.spend(len(data))
+    def feed(self, kind: bytes, payload: bytes) -> None:
+        if kind == b"r":
+            self.reply = payload
+            self.finished.set()
+            return
+        (self.out if kind == b"o" else self.err).feed(payload)
+        self.budget.spend(len(payload))
         if self.budget.exceeded.is_set():
             self.finished.set()
 
-    def end(self, stream: Stream) -> None:
-        self.ended[stream] = True
-        if all(self.ended.values()):
-            self.finished.set()
 
-    def close(self) -> None:
-        self.eof = True
-        self.finished.set()
+class _Route:
+    """Delivers the worker's frames to the call in progress; a frame with no call to take
+    it breaks the protocol."""
+
+    def __init__(self) -> None:
+        self.cell: _Cell | None = None
+        self.protocol_error: str | None = None
+
+    def deliver(self, kind: bytes, payload: bytes) -> None:
+        if self.cell is None or self.cell.reply is not None:
+            self.fail(f"a {kind!r} frame came between calls")
+        else:
+            self.cell.feed(kind, payload)
+
+    def fail(self, error: str) -> None:
+        self.protocol_error = self.protocol_error or error
+        if self.cell is not None and self.cell.reply is None:
+            self.cell.protocol_error = self.protocol_error
+            self.cell.finished.set()
+
+    def end(self) -> None:
+        if self.cell is not None:
+            self.cell.finished.set()
 
 
-async def _read_stream(stream: asyncio.StreamReader, which: Stream, cell: _Cell) -> None:
-    """Split one pipe of the worker into cells at their end markers, for its lifetime."""
-    pending = b""
-    while chunk := await stream.read(READ_CHUNK_BYTES):
-        data, pending = pending + chunk, b""
-        while data:
-            if cell.marker is None:
-                cell.feed(which, data)
-                break
-            at = data.find(cell.marker)
-            if at < 0:
-                # Hold back what may be the start of a marker split across reads.
-                keep = min(len(data), len(cell.marker) - 1)
-                cell.feed(which, data[: len(data) - keep])
-                pending = data[len(data) - keep :]
-                break
-            rest = data[at + len(cell.marker) :]
-            if which == "stdout":
-                newline = rest.find(b"\n")
-                if newline < 0:
-                    cell.feed(which, data[:at])
-                    pending = data[at:]
-                    break
-                try:
-                    cell.reply = json.loads(rest[:newline])
-                except ValueError as exc:
-                    cell.reply = {"protocol_error": f"unreadable reply from the worker: {exc}"}
-                rest = rest[newline + 1 :]
-            cell.feed(which, data[:at])
-            cell.end(which)
-            cell = cell.successor()
-            data = rest
-    if pending:
-        cell.feed(which, pending)
-    cell.close()
+async def _read_frames(stream: asyncio.StreamReader, route: _Route) -> None:
+    """Read the worker's frames for its lifetime."""
+    try:
+        while True:
+            kind, size = FRAME_HEADER.unpack(await stream.readexactly(FRAME_HEADER.size))
+            if kind not in FRAME_KINDS or size > MAX_FRAME_BYTES:
+                route.fail(f"a frame of kind {kind!r} and {size:,} bytes")
+                return
+            route.deliver(kind, await stream.readexactly(size))
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            route.fail(f"a frame cut off after {len(exc.partial)} bytes")
+    finally:
+        route.end()
+
+
+def _interpreter_roots(python: str) -> list[Path]:
+    """Directories `python` needs (its venv, the prefix its binary belongs to), which
+    strict isolation mounts read-only."""
+    executable = Path(shutil.which(python) or python).absolute()
+    roots = {executable.parent.parent, Path(os.path.realpath(executable)).parent.parent}
+    venv_config = executable.parent.parent / "pyvenv.cfg"
+    try:
+        for line in venv_config.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "home":
+                roots.add(Path(value.strip()).parent)
+    except OSError:
+        pass  # not a venv
+    return sorted(root for root in roots if root != Path("/") and root.is_dir())
 
 
 class PythonWorker(StartsAndCloses):
-    """Runs python cells in one persistent interpreter inside a LocalSandbox."""
+    """Runs python cells in one persistent namespace inside a LocalSandbox."""
 
     def __init__(self, config: PythonWorkerConfig | None = None) -> None:
         self.config = config or PythonWorkerConfig()
         self.sandbox = LocalSandbox(self.config.sandbox)
         self._proc: SandboxProcess | None = None
+        self._route = _Route()
+        self._log = HeadTailBuffer(2048, 2048)
         self._readers: list[asyncio.Task[None]] = []
-        self._cell: _Cell | None = None
         self._restart_reason: str | None = None
         self._lock = asyncio.Lock()
         self._closed = False
@@ -162,22 +198,23 @@ class PythonWorker(StartsAndCloses):
         return _Cell(keep_head, keep_tail, int(self.config.sandbox.max_output_mb * 1024 * 1024))
 
     async def _launch(self) -> None:
-        nonce = secrets.token_hex(16)
-        cell = self._new_cell()
-        cell.marker = END_MARKER + nonce.encode() + b"\x00"
-        options = json.dumps(
-            {
-                "echo_last_expression": self.config.echo_last_expression,
-                "preload_modules": self.config.preload_modules,
-            }
-        )
+        sandbox = self.sandbox
+        options = {
+            "echo_last_expression": self.config.echo_last_expression,
+            "preload_modules": self.config.preload_modules,
+            "drop_to_uid": sandbox.uid if sandbox.isolation == "basic" else None,
+        }
         python = self.config.python or sys.executable
-        command = [python, "-I", str(CHILD_SCRIPT), nonce, options]
+        command = [python, "-I", str(CHILD_SCRIPT), json.dumps(options)]
         env = {k: v for k, v in SINGLE_THREADED_ENV.items() if k not in self.config.sandbox.env}
-        proc = await self.sandbox.spawn(command, env=env, ro_files=[CHILD_SCRIPT])
+        ro_files = [CHILD_SCRIPT, *_interpreter_roots(python)]
+        proc = await sandbox.spawn(command, env=env, ro_files=ro_files, privileged_start=True)
+        self._route = _Route()
+        self._log = HeadTailBuffer(2048, 2048)
+        cell = self._route.cell = self._new_cell()
         self._readers = [
-            asyncio.create_task(_read_stream(proc.stdout, "stdout", cell)),
-            asyncio.create_task(_read_stream(proc.stderr, "stderr", cell)),
+            asyncio.create_task(_read_frames(proc.stdout, self._route)),
+            asyncio.create_task(pump(proc.stderr, self._log, OutputBudget(sys.maxsize))),
         ]
         try:
             await asyncio.wait_for(cell.finished.wait(), self.config.start_timeout_s)
@@ -185,18 +222,19 @@ class PythonWorker(StartsAndCloses):
             await self._discard(proc)
             raise SandboxStartError(
                 f"the python worker did not start within {self.config.start_timeout_s} s: "
-                f"{cell.err.text()[-2000:]}"
+                f"{self._log.text()}"
             ) from None
-        if cell.reply is None or not cell.reply.get("ready"):
+        try:
+            ready = _Ready.model_validate_json(cell.reply or b"")
+        except ValidationError:
             exit_code = await self._discard(proc)
             raise SandboxStartError(
                 f"the python worker exited while starting (exit code {exit_code}): "
-                f"{cell.err.text()[-2000:]}"
-            )
-        if errors := cell.reply.get("preload_errors"):
-            warn_once(f"python worker could not preload {errors}")
+                f"{cell.protocol_error or ''}{self._log.text()}"
+            ) from None
+        if ready.preload_errors:
+            warn_once(f"python worker could not preload {ready.preload_errors}")
         self._proc = proc
-        self._cell = cell.successor()
 
     async def _discard(self, proc: SandboxProcess) -> int:
         """Kill the worker and all it started, collect its last output; its exit code."""
@@ -218,17 +256,22 @@ class PythonWorker(StartsAndCloses):
     ) -> WorkerExecResult:
         """Run the python cell `cmd`. `cwd` and `env` are applied in the worker before
         the cell and persist, like %cd and %env in a notebook."""
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
         async with self._lock:
             await self.sandbox.start()
-            restart_reason = None
-            if self._proc is not None and self._proc.returncode is not None:
-                code = await self._discard(self._proc)
-                self._restart_reason = f"the worker exited between calls (exit code {code})"
+            proc = self._proc
+            if proc is not None and (proc.returncode is not None or self._route.protocol_error):
+                broken = self._route.protocol_error
+                code = await self._discard(proc)
+                self._restart_reason = (
+                    f"the worker broke its protocol between calls ({broken})"
+                    if broken
+                    else f"the worker exited between calls (exit code {code})"
+                )
             if self._proc is None:
-                restart_reason, self._restart_reason = self._restart_reason, None
                 await self._launch()
+            restart_reason, self._restart_reason = self._restart_reason, None
             return await self._call(cmd, timeout_s, cwd, env, restart_reason)
 
     async def _call(
@@ -239,12 +282,11 @@ class PythonWorker(StartsAndCloses):
         env: dict[str, str] | None,
         restart_reason: str | None,
     ) -> WorkerExecResult:
-        proc, cell = self._proc, self._cell
-        assert proc is not None and proc.stdin is not None and cell is not None
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None
         started = time.monotonic()
-        nonce = secrets.token_hex(16)
-        cell.marker = END_MARKER + nonce.encode() + b"\x00"
-        request = {"nonce": nonce, "code": code, "cwd": cwd, "env": env or {}}
+        cell = self._route.cell = self._new_cell()
+        request = {"code": code, "cwd": cwd, "env": env or {}}
         # A dead worker's closed stdin drops the write; its stdout EOF ends the call.
         proc.stdin.write(json.dumps(request).encode() + b"\n")
         killed_for: LimitName | None = None
@@ -258,18 +300,26 @@ class PythonWorker(StartsAndCloses):
             raise
         if killed_for is None and cell.budget.exceeded.is_set():
             killed_for = "output"
-        died = killed_for is not None or cell.reply is None
-        if died:
+        end = None
+        if killed_for is None and cell.protocol_error is None and cell.reply is not None:
+            try:
+                end = _CallEnd.model_validate_json(cell.reply)
+            except ValidationError as exc:
+                cell.protocol_error = f"a malformed reply: {exc.errors()[0]['msg']}"
+        if killed_for is None and cell.protocol_error is not None:
+            await self._discard(proc)
+            self._restart_reason = "the worker broke its protocol"
+            raise SandboxDiedError(
+                f"the python worker broke its protocol ({cell.protocol_error}); the next "
+                f"call starts a fresh one. Worker log: {self._log.text()}"
+            )
+        if end is None:
             exit_code = await self._discard(proc)
             self._restart_reason = _death_reason(killed_for, exit_code, timeout_s)
         else:
-            assert cell.reply is not None
-            if "protocol_error" in cell.reply:
-                await self._discard(proc)
-                self._restart_reason = "the worker broke its protocol"
-                raise SandboxDiedError(cell.reply["protocol_error"])
-            exit_code = int(cell.reply["exit_code"])
-            self._cell = cell.successor()
+            exit_code = end.exit_code
+            if end.state_lost:
+                self._restart_reason = end.reason or _death_reason(None, exit_code, timeout_s)
         stderr = cell.err.text()
         return WorkerExecResult(
             exit_code=exit_code,
@@ -284,7 +334,7 @@ class PythonWorker(StartsAndCloses):
             duration_s=time.monotonic() - started,
             worker_restarted=restart_reason is not None,
             restart_reason=restart_reason,
-            worker_died=died,
+            worker_died=end is None or end.state_lost,
         )
 
     async def write_file(self, path: str, data: bytes) -> None:

@@ -168,6 +168,14 @@ def test_basic_command_line_runs_as_the_uid_without_privileges(tmp_path: Path) -
     assert kwargs["start_new_session"] is True
 
 
+def test_a_privileged_start_leaves_the_drop_to_the_command(tmp_path: Path) -> None:
+    """Only the python worker asks for it: it drops to the uid itself (basic mode)."""
+    basic = Jail("basic", 200_008, tmp_path, [], 32, None).spawn_kwargs(privileged_start=True)
+    assert "user" not in basic and basic["start_new_session"] is True
+    strict = Jail("strict", 200_008, tmp_path, [], 32, "bwrap")
+    assert strict.spawn_kwargs(privileged_start=True) == strict.spawn_kwargs()
+
+
 def test_without_a_sandbox_uid_there_is_no_process_cap(tmp_path: Path) -> None:
     """As the host's own user, RLIMIT_NPROC would count all that user's processes."""
     limits = Limits(memory_mb=256, max_processes=64, file_size_mb=32, open_files=128)

@@ -11,7 +11,9 @@ only by bubblewrap ('strict'). The last test checks the host after all of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import platform
 import shlex
 import shutil
 import signal
@@ -583,6 +585,108 @@ def test_teardown_without_root_opens_up_locked_directories_and_never_follows_lin
         assert (host_dir / "host_secret.txt").read_text() == SECRET
     finally:
         remove_tree(base)
+
+
+LEAVE_TRACES = """
+import ctypes, os, platform, sys
+tag, shared, ipc_key = sys.argv[1], sys.argv[2], int(sys.argv[3])
+left = []
+for where in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", shared):
+    try:
+        with open(f"{where}/{tag}", "w") as trace:
+            trace.write("left behind")
+        os.makedirs(f"{where}/{tag}-dir/sub")
+        open(f"{where}/{tag}-dir/sub/file", "w").close()
+        os.chmod(f"{where}/{tag}-dir", 0)
+        left.append(where)
+    except OSError:
+        pass
+libc = ctypes.CDLL(None, use_errno=True)
+create = 0o1000 | 0o600  # IPC_CREAT
+left += ["shm"] * (libc.shmget(ipc_key, 4096, create) >= 0)
+left += ["sem"] * (libc.semget(ipc_key, 1, create) >= 0)
+left += ["msg"] * (libc.msgget(ipc_key, create) >= 0)
+if platform.machine() == "x86_64":  # add_key into the user keyring
+    left += ["key"] * (libc.syscall(248, b"user", tag.encode(), b"secret", 6, -4) >= 0)
+print(" ".join(left))
+"""
+
+FIND_TRACES = """
+import ctypes, os, platform, sys
+tag, shared, ipc_key = sys.argv[1], sys.argv[2], int(sys.argv[3])
+found = [w for w in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", shared)
+         if os.path.lexists(f"{w}/{tag}") or os.path.lexists(f"{w}/{tag}-dir")]
+libc = ctypes.CDLL(None, use_errno=True)
+found += ["shm"] * (libc.shmget(ipc_key, 0, 0) >= 0)
+found += ["sem"] * (libc.semget(ipc_key, 0, 0) >= 0)
+found += ["msg"] * (libc.msgget(ipc_key, 0) >= 0)
+if platform.machine() == "x86_64":  # request_key
+    found += ["key"] * (libc.syscall(249, b"user", tag.encode(), None, 0) >= 0)
+print(" ".join(found) or "nothing")
+"""
+
+
+def _traces_on_host(uid: int, tag: str, shared: Path) -> list[str]:
+    """What the host sees of `uid`'s traces: files it owns, its IPC objects, its keys."""
+    seen = []
+    for where in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", str(shared)):
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(f"{where}/{tag}").st_uid == uid:
+                seen.append(where)
+    for kind in ("shm", "sem", "msg"):
+        lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        uid_column = lines[0].split().index("uid")
+        seen += [kind for line in lines[1:] if int(line.split()[uid_column]) == uid]
+    for line in Path("/proc/key-users").read_text().splitlines():
+        user, counts = line.split(":", 1)
+        if user.strip() == str(uid) and int(counts.split()[2].split("/")[0]) > 2:
+            seen.append("key")
+    return seen
+
+
+@pytest.fixture()
+def shared_dir() -> Iterator[Path]:
+    """A root-owned world-writable sticky directory inside /tmp, like /tmp/.X11-unix."""
+    path = Path(tempfile.mkdtemp(prefix="opd-shared-"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("isolation", BOTH)
+def test_a_sandbox_leaves_nothing_for_the_next_holder_of_its_uid(
+    root_dir: Path, shared_dir: Path, isolation: str
+) -> None:
+    # A range of one uid: the second sandbox gets the first one's uid.
+    cfg = config(root_dir, isolation).model_copy(
+        update={"uid_base": UID_BASE + UID_COUNT - 4, "uid_count": 1}
+    )
+    tag = f"opd-trace-{os.getpid()}"
+    args = (tag, shared_dir, 0x0DD0 + os.getpid() % 1000)
+
+    async def scenario() -> tuple[str, list[str], list[str], str]:
+        first = LocalSandbox(cfg)
+        await first.start()
+        assert first.uid is not None
+        uid = first.uid
+        left = await first.exec(python_attack(LEAVE_TRACES, *args), 20)
+        before = _traces_on_host(uid, tag, shared_dir)
+        await first.close()
+        after = _traces_on_host(uid, tag, shared_dir)
+        async with LocalSandbox(cfg) as second:
+            assert second.uid == uid
+            seen = await second.exec(python_attack(FIND_TRACES, *args), 20)
+        return left.stdout.split(), before, after, seen.stdout.strip()
+
+    left, before, after, seen = run(scenario())
+    kinds = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", str(shared_dir), "shm", "sem", "msg"]
+    if isolation == "basic":  # control: the sandbox did write all over the host
+        assert set(kinds) <= set(left) and set(kinds) <= set(before)
+    if platform.machine() == "x86_64":  # keys are the kernel's, under either isolation
+        assert "key" in left and "key" in before
+    assert [trace for trace in after if trace != "key"] == []  # keys are collected lazily
+    assert seen == "nothing"
 
 
 # -- the host afterwards -------------------------------------------------------------------

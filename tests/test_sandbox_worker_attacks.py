@@ -1,0 +1,398 @@
+"""Cells that attack the python worker itself: its reply protocol and the work a call
+leaves behind. Each runs under both isolation levels and must end with a result (never
+an exception outside the SandboxError family) and a next call that works.
+
+The protocol's side is out of the cells' reach by construction (the supervisor holds it
+and is not dumpable); these cells try every way in a cell has: /proc descriptors of every
+process of the uid, every socket the interpreter holds, frames, forged messages, killing
+or stopping the supervisor, odd exit codes, a broken runtime. Controls show each attack
+does what it says where nothing stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from sandbox import LocalSandboxConfig, PythonWorker, PythonWorkerConfig, WorkerExecResult
+from sandbox.jail import find_bwrap, probe_strict
+from sandbox.leases import uid_processes
+from sandbox.python_worker import FRAME_HEADER
+
+T = TypeVar("T")
+UID_BASE = 303_000
+PY = "/usr/bin/python3"
+
+
+def _strict_problem() -> str | None:
+    bwrap = find_bwrap()
+    return "bubblewrap is not installed" if bwrap is None else probe_strict(bwrap)
+
+
+STRICT = pytest.param(
+    "strict",
+    marks=pytest.mark.skipif(
+        _strict_problem() is not None, reason=f"strict isolation: {_strict_problem()}"
+    ),
+)
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need root"),
+    pytest.mark.timeout(90),
+]
+
+
+@pytest.fixture(params=[STRICT, "basic"])
+def isolation(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def root_dir() -> Iterator[Path]:
+    root = Path(tempfile.gettempdir()) / f"opd-sandbox-attacks-{os.getpid()}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def worker_config(root_dir: Path, isolation: str) -> PythonWorkerConfig:
+    sandbox = LocalSandboxConfig(
+        isolation=isolation, root_dir=root_dir, uid_base=UID_BASE, uid_count=200
+    )
+    return PythonWorkerConfig(sandbox=sandbox, preload_modules=[])
+
+
+async def cells(
+    cfg: PythonWorkerConfig, *codes: str, timeout_s: float = 10.0
+) -> list[WorkerExecResult]:
+    async with PythonWorker(cfg) as worker:
+        return [await worker.exec(code, timeout_s) for code in codes]
+
+
+# -- the reply protocol --------------------------------------------------------------------
+
+FORGED_REPLY = b'{"exit_code": 0, "state_lost": false, "reason": null}'
+FORGE = f"""
+import gc, os, socket, sys
+# A frame of this protocol, and for every short string the call's frames hold (a nonce,
+# say) an end marker of the worker's earlier protocol with a reply it could not parse.
+payloads = [{FRAME_HEADER.pack(b"r", len(FORGED_REPLY)) + FORGED_REPLY!r}]
+frame, frames = sys._getframe(), 0
+while frame is not None:
+    frames += 1
+    for value in list(frame.f_locals.values()):
+        for text in list(value.values()) if isinstance(value, dict) else [value]:
+            if isinstance(text, str) and 0 < len(text) < 100:
+                marker = b"\\x00OPD-CELL-END " + text.encode(errors="replace") + b"\\x00"
+                payloads.append(marker + b'{{"exit_code": "forged"}}\\n')
+    frame = frame.f_back
+def forge(fd):
+    sent = 0
+    for payload in payloads:
+        try:
+            sent += os.write(fd, payload) == len(payload)
+        except OSError:
+            pass
+    return sent
+listed, written = [], 0
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        fds = os.listdir(f"/proc/{{pid}}/fd")
+    except OSError:
+        continue
+    listed.append(int(pid))
+    for fd in fds:
+        try:
+            target = os.open(f"/proc/{{pid}}/fd/{{fd}}", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        written += forge(target)
+        os.close(target)
+for fd in range(3, 64):
+    written += forge(fd)
+for thing in gc.get_objects():
+    if isinstance(thing, socket.socket):
+        for message in (b"done 1 0", b"next 1 1", b"done 99 0", bytes(range(256))):
+            try:
+                thing.send(message)
+            except OSError:
+                pass
+print("\\nsummary", os.getpid() in listed, os.getppid() in listed, written > 0, frames)
+sys.exit(7)
+"""
+
+
+def test_a_cell_cannot_reach_or_forge_the_reply_channel(root_dir: Path, isolation: str) -> None:
+    _, forged, after = run(cells(worker_config(root_dir, isolation), "kept = 1", FORGE, "kept"))
+    # Control: the cell could list its own descriptors and write the forged frame to them
+    # (its own stdout among them: the frame comes back as plain output) ...
+    summary = next(line for line in forged.stdout.splitlines() if line.startswith("summary"))
+    own_listed, supervisor_listed, wrote, frames = summary.split()[1:]
+    assert own_listed == "True" and wrote == "True" and int(frames) >= 1
+    assert forged.stdout.count(FORGED_REPLY.decode()) >= 1
+    # ... but not the supervisor's, and nothing it wrote ended, faked or shifted a call.
+    assert supervisor_listed == "False"
+    assert forged.exit_code == 7 and not forged.worker_died
+    assert after.stdout == "1\n" and after.exit_code == 0 and not after.worker_restarted
+
+
+LIVE_SOCKETS = """
+import gc, os, socket, stat
+def live_sockets():
+    for thing in gc.get_objects():
+        if isinstance(thing, socket.socket):
+            try:
+                if stat.S_ISSOCK(os.fstat(thing.fileno()).st_mode):
+                    yield thing
+            except OSError:
+                pass
+"""
+
+EARLY_END = (
+    LIVE_SOCKETS
+    + """
+import sys, time
+frame = sys._getframe()
+while frame is not None and "request" not in frame.f_locals:
+    frame = frame.f_back
+for control in live_sockets():
+    control.send(b"done %d 0" % frame.f_locals["request"]["call"])
+time.sleep(2)
+print("late")
+"""
+)
+
+
+def test_a_cell_that_ends_its_own_call_early_does_not_shift_later_calls(
+    root_dir: Path, isolation: str
+) -> None:
+    """The cells' process can always end its own call (it is the one that says `done`);
+    the rest of that cell runs at the next call, and its `done` must not end that one."""
+    results = run(
+        cells(worker_config(root_dir, isolation), "kept = 1", EARLY_END, "kept + 1", "kept + 2")
+    )
+    _, early, following, last = results
+    assert early.exit_code == 0 and "late" not in early.stdout
+    assert early.duration_s < 2  # control: the forged end did end the call early
+    assert following.stdout == "2\n" and last.stdout == "3\n"
+    assert not any(r.worker_restarted or r.worker_died for r in results)
+
+
+@pytest.mark.parametrize(
+    ("attack", "timeout_s"),
+    [("os.kill(os.getppid(), 9)", 10.0), ("os.kill(os.getppid(), 19)", 1.0)],
+)
+def test_killing_or_stopping_the_supervisor_ends_only_that_worker(
+    root_dir: Path, isolation: str, attack: str, timeout_s: float
+) -> None:
+    async def scenario() -> tuple[WorkerExecResult, WorkerExecResult]:
+        async with PythonWorker(worker_config(root_dir, isolation)) as worker:
+            hit = await worker.exec(f"import os\n{attack}\nimport time\ntime.sleep(5)", timeout_s)
+            return hit, await worker.exec("1 + 1", 10)
+
+    hit, after = run(scenario())
+    assert hit.worker_died and hit.exit_code == 137
+    assert hit.timed_out == (timeout_s < 5)
+    assert after.stdout == "2\n" and after.worker_restarted
+
+
+@pytest.mark.parametrize(
+    ("cell", "exit_code", "state_kept"),
+    [
+        ("import sys; sys.exit(-1)", 255, True),
+        ("import sys; sys.exit(256)", 0, True),
+        ("raise SystemExit(2**70 + 3)", 3, True),
+        ("import sys; sys.exit('bye')", 1, True),
+        ("import sys; sys.exit(True)", 1, True),
+        ("raise KeyboardInterrupt", 1, True),
+        ("import os; os._exit(300)", 300 % 256, False),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137, False),
+    ],
+)
+def test_odd_exits_give_a_shell_exit_code_and_the_next_call_works(
+    root_dir: Path, isolation: str, cell: str, exit_code: int, state_kept: bool
+) -> None:
+    _, ended, after = run(cells(worker_config(root_dir, isolation), "kept = 1", cell, "kept"))
+    assert ended.exit_code == exit_code and ended.worker_died == (not state_kept)
+    if state_kept:
+        assert after.stdout == "1\n" and not after.worker_restarted
+    else:
+        assert after.worker_restarted and "NameError" in after.stderr
+    if cell.endswith("'bye')"):
+        assert ended.stderr == "bye\n"
+
+
+BREAK_RUNTIME = """
+import builtins, json, os, socket, sys
+json.loads = json.dumps = None
+socket.recv_fds = None
+builtins.print = builtins.open = None
+os.dup2 = None
+sys.stdout = sys.stderr = None
+"""
+
+LEAVE_A_THIEF = (
+    LIVE_SOCKETS
+    + """
+control = next(live_sockets())
+if os.fork() == 0:
+    os.setsid()
+    while True:
+        control.recv(1 << 16)  # would steal the next call's request
+print("thief started")
+"""
+)
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [BREAK_RUNTIME, LEAVE_A_THIEF, "import os\nos.closerange(0, 1024)", "import os\nos.fork()"],
+    ids=["break-runtime", "thief", "close-fds", "fork"],
+)
+def test_a_cell_that_breaks_the_cells_process_never_breaks_the_protocol(
+    root_dir: Path, isolation: str, attack: str
+) -> None:
+    results = run(
+        cells(worker_config(root_dir, isolation), attack, "1 + 1", "2 + 2", "print('fine')")
+    )
+    assert results[-1].stdout == "fine\n" and results[-1].exit_code == 0
+    assert results[-2].stdout == "4\n"  # at most one call pays for the broken state
+
+
+# -- work a call leaves behind ---------------------------------------------------------------
+
+LEFTOVERS = """
+import ctypes, os, subprocess, threading
+def burn():
+    while True:
+        pass
+threading.Thread(target=burn, daemon=True).start()
+subprocess.Popen(["bash", "-c", "while :; do :; done"], start_new_session=True)
+if os.fork() == 0:  # a daemon that hides its children from /proc listings
+    os.setsid()
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    if os.fork() == 0:
+        burn()
+    burn()
+kept = 1
+print(len(os.listdir("/proc/self/task")), len(os.listdir(f"/proc/{os.getpid()}/task")))
+"""
+
+AT_FORK_THREAD = """
+import os, threading
+def burn():
+    while True:
+        pass
+os.register_at_fork(after_in_child=lambda: threading.Thread(target=burn, daemon=True).start())
+threading.Thread(target=burn, daemon=True).start()
+kept = 1
+"""
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Threads:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists(PY), reason=f"the control needs {PY}")
+def test_a_burning_thread_keeps_burning_in_a_plain_interpreter() -> None:
+    """Control for the test below: nothing stops a daemon thread while its interpreter lives."""
+    burn = "import resource, threading, time\ndef burn():\n    while True:\n        pass\n"
+    burn += "threading.Thread(target=burn, daemon=True).start()\ntime.sleep(1.5)\n"
+    burn += "print(resource.getrusage(resource.RUSAGE_SELF).ru_utime)"
+    done = subprocess.run([PY, "-c", burn], capture_output=True, text=True, timeout=30)
+    assert float(done.stdout) > 0.3
+
+
+@pytest.mark.parametrize(("cell", "state_kept"), [(LEFTOVERS, True), (AT_FORK_THREAD, False)])
+def test_threads_and_processes_a_call_leaves_are_stopped_when_it_returns(
+    root_dir: Path, isolation: str, cell: str, state_kept: bool
+) -> None:
+    async def scenario() -> tuple[WorkerExecResult, list[int], list[int], float, WorkerExecResult]:
+        async with PythonWorker(worker_config(root_dir, isolation)) as worker:
+            left = await worker.exec(cell, 10)
+            uid = worker.sandbox.uid
+            assert uid is not None
+            await asyncio.sleep(0.2)
+            pids = uid_processes(uid, include_zombies=False)
+            before = _cpu_seconds(pids)
+            await asyncio.sleep(1.5)
+            burned = _cpu_seconds(uid_processes(uid, include_zombies=False)) - before
+            threads = [_threads(pid) for pid in pids]
+            return left, pids, threads, burned, await worker.exec("kept", 10)
+
+    left, pids, threads, burned, after = run(scenario())
+    assert left.exit_code == 0, left.stderr
+    if cell is LEFTOVERS:  # control: the cell really had its burners running
+        assert left.stdout.split() == ["2", "2"]
+    assert len(pids) == 2 and threads == [1, 1]  # the supervisor and the stopped holder
+    assert burned < 0.25
+    if state_kept:
+        assert after.stdout == "1\n" and not after.worker_restarted
+    else:
+        assert after.worker_restarted and "threads" in (after.restart_reason or "")
+
+
+ABANDON = """
+import asyncio, os, sys
+from pathlib import Path
+from sandbox import LocalSandboxConfig, PythonWorker, PythonWorkerConfig
+
+async def main() -> None:
+    root_dir, isolation, uid_base, cell = sys.argv[1:]
+    sandbox = LocalSandboxConfig(
+        isolation=isolation, root_dir=Path(root_dir), uid_base=int(uid_base), uid_count=200
+    )
+    worker = PythonWorker(PythonWorkerConfig(sandbox=sandbox, preload_modules=[]))
+    await worker.start()
+    await worker.exec("kept = 1", 10)
+    print(worker.sandbox.uid, flush=True)
+    if cell:
+        asyncio.create_task(worker.exec(cell, 60))
+        await asyncio.sleep(0.5)
+    os._exit(0)  # the host dies: no close(), no deadline
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("cell", ["", "while True:\n    pass"], ids=["idle", "mid-call"])
+def test_a_worker_whose_host_dies_leaves_nothing_running(
+    root_dir: Path, isolation: str, cell: str
+) -> None:
+    host = subprocess.run(
+        [sys.executable, "-c", ABANDON, str(root_dir), isolation, str(UID_BASE), cell],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    uid = int(host.stdout)
+    deadline = time.monotonic() + 10
+    while (left := uid_processes(uid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == []
