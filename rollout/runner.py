@@ -9,6 +9,10 @@ failure's status (only a cancellation of the rollout itself propagates); an epis
 close() failed keeps its status and says so in metadata["close_error"]. An
 engine abort (finish_reason 'abort': slime ending a rollout step with SGLang's
 /abort_request) ends the trajectory aborted; the unfinished turn is counted, not recorded.
+Turns scored per turn or after share a teacher session (the trajectory id, so the teacher
+reuses each turn's prefix); when the trajectory ends, however it ends, the runner deletes
+that session, best-effort: a failed delete is logged and counted in
+metadata["teacher_session_error"], never the trajectory's failure.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from teacher_server.api import ScoreItem, TrajectoryScoreRequest, TrajectoryTurn
 from teacher_server.client import TeacherClient, TeacherError
 
 logger = logging.getLogger(__name__)
+
+TEACHER_SESSION_DROP_TIMEOUT_S = 10.0
+"""How long the end of a trajectory waits for the teacher to delete its session."""
 
 ENGINE_ABORT_REASON = "engine abort"
 """The status reason of a trajectory whose generation the engine aborted (slime's end of a
@@ -254,6 +261,13 @@ class Runner:
             for pending in scoring:
                 pending.cancel()
             await asyncio.gather(*scoring, return_exceptions=True)
+            if scoring and (drop_error := await self._drop_session(trajectory_id)) is not None:
+                logger.warning(
+                    "trajectory %s: its teacher session was not deleted: %s",
+                    trajectory_id,
+                    _error_text(drop_error),
+                )
+                metadata["teacher_session_error"] = _error_text(drop_error)
             for episode in episodes:
                 if (close_error := await _close(episode)) is not None:
                     _log_if_unexpected(trajectory_id, "closing its episode", close_error)
@@ -284,6 +298,21 @@ class Runner:
                 trajectory.status, trajectory.status_reason = _status_for(error)
         trajectory.wall_s = time.monotonic() - started
         return trajectory
+
+    async def _drop_session(self, session_id: str) -> BaseException | None:
+        """Delete the teacher's session of a trajectory whose turns were scored with it
+        (after every scoring task ended: none stores it back); what failed instead of
+        raising it (a rollout's own cancellation still propagates)."""
+        assert self.teacher is not None
+        try:
+            await asyncio.wait_for(
+                self.teacher.drop_session(session_id), TEACHER_SESSION_DROP_TIMEOUT_S
+            )
+        except BaseException as error:
+            if not _ends_trajectory(error):
+                raise
+            return error
+        return None
 
     async def _score_whole(self, trajectory: Trajectory) -> None:
         assert self.teacher is not None
@@ -453,6 +482,7 @@ def trajectory_summary(trajectory: Trajectory) -> dict[str, Any]:
         "teacher_s": [turn.timings.teacher_s for turn in turns],
         "wall_s": trajectory.wall_s,
         "close_error": (trajectory.metadata or {}).get("close_error"),
+        "teacher_session_error": (trajectory.metadata or {}).get("teacher_session_error"),
     }
 
 
@@ -475,6 +505,11 @@ def summary_metrics(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
     close_errors = Counter(
         s["close_error"].partition(":")[0] for s in summaries if s.get("close_error")
     )
+    session_errors = Counter(
+        s["teacher_session_error"].partition(":")[0]
+        for s in summaries
+        if s.get("teacher_session_error")
+    )
     rewards = [s["reward"] for s in summaries if s["reward"] is not None]
     return {
         "rollout/num_turns": sum(s["num_turns"] for s in summaries) / trajectories,
@@ -488,4 +523,5 @@ def summary_metrics(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
         **{f"rollout/status_{key}": float(value) for key, value in statuses.items()},
         **{f"rollout/abort_count/{key}": float(value) for key, value in aborts.items()},
         **{f"rollout/close_error_count/{k}": float(v) for k, v in close_errors.items()},
+        **{f"rollout/teacher_session_error_count/{k}": float(v) for k, v in session_errors.items()},
     }

@@ -139,6 +139,9 @@ class ServerInfo(BaseModel):
     backend: Literal["hf", "sglang"]
     max_top_k: int
     max_batch_size: int
+    max_request_tokens: int | None = None
+    """The most ids (all items' input_ids together) one /v1/score request may carry; more
+    is refused with 413. None: no bound but the body size."""
 
 
 class Health(BaseModel):

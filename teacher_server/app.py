@@ -28,8 +28,8 @@ from teacher_server.backend import (
     BackendFailure,
     BadScoreRequest,
     Overloaded,
+    RequestTooLarge,
     ScoringBackend,
-    TooManyItems,
 )
 from teacher_server.guards import RequestGuard, default_max_body_bytes
 from teacher_server.metrics import ServerMetrics
@@ -45,7 +45,8 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         400: "Bad input; the message names the field",
         401: "Missing or wrong API key",
         403: "Not allowed on this server (reload needs a server with an API key)",
-        413: "Body over the server's --max-body-mb, or more items than its queue holds",
+        413: "Body over the server's --max-body-mb, more items than its queue holds, or "
+        "more ids than --max-request-tokens",
         422: "Malformed request body, or a value out of its range",
         500: "The backend failed",
         503: "Queue full; retry after the Retry-After header",
@@ -106,7 +107,7 @@ def create_app(
         except BadScoreRequest as err:
             status = 400
             return JSONResponse({"detail": str(err)}, status_code=400)
-        except TooManyItems as err:
+        except RequestTooLarge as err:
             status = 413
             return JSONResponse({"detail": str(err)}, status_code=413)
         except Overloaded as err:
@@ -164,7 +165,7 @@ def create_app(
             return JSONResponse({"detail": str(err)}, status_code=500)
 
     @app.delete(
-        "/v1/sessions/{session_id}",
+        "/v1/sessions/{session_id:path}",  # session ids may hold '/'
         response_model=SessionDeleted,
         dependencies=[BEARER],
         responses=_errors(401, 422),

@@ -19,8 +19,17 @@ class BadScoreRequest(ValueError):
     """A request the backend cannot score as asked; the message names the field (HTTP 400)."""
 
 
-class TooManyItems(ValueError):
-    """More items in one request than the queue ever holds: no retry can succeed (HTTP 413)."""
+class RequestTooLarge(ValueError):
+    """A request over a per-request bound: no retry can succeed (HTTP 413); the message
+    names the bound."""
+
+
+class TooManyItems(RequestTooLarge):
+    """More items in one request than the queue ever holds."""
+
+
+class TooManyTokens(RequestTooLarge):
+    """More ids in one request (all items together) than the server accepts in one."""
 
 
 class Overloaded(RuntimeError):
@@ -39,7 +48,7 @@ class ScoringBackend(Protocol):
     async def stop(self) -> None: ...
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        """Results in request order; raises BadScoreRequest, TooManyItems, Overloaded or
+        """Results in request order; raises BadScoreRequest, RequestTooLarge, Overloaded or
         BackendFailure."""
         ...
 
@@ -74,6 +83,13 @@ def admit(pending: int, count: int, max_queue: int) -> None:
 
 def check_items(items: list[ScoreItem], info: ServerInfo) -> None:
     """The limits every backend enforces, before anything is queued."""
+    total = sum(len(item.input_ids) for item in items)
+    if info.max_request_tokens is not None and total > info.max_request_tokens:
+        raise TooManyTokens(
+            f"requests: {total} ids in one request (all input_ids together), at most "
+            f"{info.max_request_tokens} are accepted (the server's max_request_tokens); "
+            "split it into several requests"
+        )
     for index, item in enumerate(items):
         where = f"requests[{index}]"
         length = len(item.input_ids)

@@ -25,7 +25,19 @@ def _root() -> None:
     """The standalone teacher log-prob service."""
 
 
-@app.command()
+SERVE_HELP = (
+    "Serve POST /v1/score (see /docs for the API).\n\n"
+    "hf backend memory is bounded by construction: stateless items that arrive together "
+    "(from any clients) are sorted by length and scored in forwards of at most "
+    "--max-batch-tokens padded ids (rows x longest row; no row shorter than its "
+    "forward's longest / 1.5), right-padded without an attention mask, so memory grows "
+    "linearly with the ids; session requests compute their new ids 512 at a time. With "
+    "the default --max-batch-tokens no forward costs more than one max-context item "
+    "alone. A request over --max-request-tokens ids is refused (413)."
+)
+
+
+@app.command(help=SERVE_HELP)
 def serve(
     model: Annotated[
         str,
@@ -51,7 +63,25 @@ def serve(
     dtype: Annotated[str, typer.Option(help="hf: float32, bfloat16 or float16.")] = "float32",
     max_context: Annotated[int | None, typer.Option(help="Longest input accepted.")] = None,
     max_top_k: Annotated[int, typer.Option(help="Largest top_k accepted.")] = DEFAULT_MAX_TOP_K,
-    max_batch_size: Annotated[int, typer.Option(help="Items per forward (hf).")] = 32,
+    max_batch_size: Annotated[
+        int, typer.Option(help="Items per micro-batch, cut into forwards by length (hf).")
+    ] = 32,
+    max_batch_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="hf: padded ids of one forward at most (rows x longest row). Default: the "
+            "max context, so no forward costs more memory than one max-context item alone.",
+        ),
+    ] = None,
+    max_request_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="hf: ids of one request (all items) at most; more is 413, never a retryable "
+            "503. Default: max-batch-size items of the max context.",
+        ),
+    ] = None,
     max_wait_ms: Annotated[float, typer.Option(help="Batch collection window (hf).")] = 5.0,
     max_queue: Annotated[
         int,
@@ -84,22 +114,27 @@ def serve(
     scoring: ScoringBackend
     if chosen == "hf":
         from slime_ext.local.factory import materialize
-        from teacher_server.hf_backend import HFBackend
+        from teacher_server.hf_backend import HFBackend, LimitsError
 
         model_dir = materialize(model, FACTORY_CACHE, seed=seed)
-        scoring = HFBackend(
-            model_dir,
-            metrics,
-            device=device,
-            dtype=dtype,
-            max_context=max_context,
-            max_top_k=max_top_k,
-            max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
-            max_queue=max_queue,
-            cache_budget_mb=cache_budget_mb,
-            snapshot_every=snapshot_every,
-        )
+        try:
+            scoring = HFBackend(
+                model_dir,
+                metrics,
+                device=device,
+                dtype=dtype,
+                max_context=max_context,
+                max_top_k=max_top_k,
+                max_batch_size=max_batch_size,
+                max_batch_tokens=max_batch_tokens,
+                max_request_tokens=max_request_tokens,
+                max_wait_ms=max_wait_ms,
+                max_queue=max_queue,
+                cache_budget_mb=cache_budget_mb,
+                snapshot_every=snapshot_every,
+            )
+        except LimitsError as err:
+            raise typer.BadParameter(str(err)) from None
     else:
         from transformers import AutoTokenizer
 

@@ -7,6 +7,7 @@ import contextlib
 import random
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -145,7 +146,10 @@ class TeacherClient:
         return ReloadResult.model_validate(await self._call("POST", "/v1/reload", json=body))
 
     async def drop_session(self, session_id: str) -> bool:
-        payload = await self._call("DELETE", f"/v1/sessions/{session_id}")
+        # quoted whole, dots too: a trajectory id like "task#0" would end the path at '#',
+        # and an id ".." would be resolved away as a dot segment
+        segment = quote(session_id, safe="").replace(".", "%2E")
+        payload = await self._call("DELETE", f"/v1/sessions/{segment}")
         return SessionDeleted.model_validate(payload).deleted
 
     async def info(self) -> ServerInfo:

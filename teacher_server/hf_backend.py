@@ -1,18 +1,34 @@
 """The transformers backend: a local model, micro-batched, with per-session prefix reuse.
 
-Stateless requests that arrive together are scored in one left-padded forward. Session
-requests reuse the longest prefix they share with the session's cached ids (a request
-need not extend the previous one: think is dropped, hints are inserted), and only the
-rest is computed; hybrid models restart from a recurrent-state snapshot taken at the end
-of each turn's context. Log-softmax in fp32 with the temperature applied to the logits.
+Memory is bounded by construction. Stateless items are sorted by length and cut into
+forwards of at most `max_batch_tokens` padded ids (rows x longest row, an item longer than
+that alone); no row is shorter than its forward's longest over PAD_FACTOR, so padding
+adds at most half again the real ids, and whatever mix of lengths and clients arrives
+together, no forward holds more than max_batch_tokens ids. Rows are right-padded without
+an attention mask: in a causal model no token attends to the positions after it, so each
+row computes as it would alone (positions 0, 1, ...) and attention takes its mask-free
+causal kernel, whose memory is linear in the ids (a padding mask is rows x longest^2:
+one request of 8 items near the max context got a 1.6 GB server OOM-killed). Logits are
+computed at span positions only, one item at a time. The default max_batch_tokens is the
+max context: a forward then costs at most what one max-context item costs alone. A
+request of more than max_request_tokens ids in all is refused (413) before it is queued.
+
+Session requests reuse the longest prefix they share with the session's cached ids (a
+request need not extend the previous one: think is dropped, hints are inserted), and only
+the rest is computed, in chunks of at most SESSION_CHUNK ids (a chunk attends to the
+cached prefix through a mask of chunk x prefix, never prefix^2); hybrid models restart
+from a recurrent-state snapshot taken at the end of each turn's context. Log-softmax in
+fp32 with the temperature applied to the logits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,9 +53,49 @@ from teacher_server.backend import (
     vocab_digest,
 )
 from teacher_server.metrics import ServerMetrics
-from teacher_server.session_cache import SessionCache, SessionState, rewind, snapshot
+from teacher_server.session_cache import (
+    SessionCache,
+    SessionState,
+    SessionTicket,
+    rewind,
+    snapshot,
+)
 
-BatchRunner = Callable[[list[ScoreItem]], list["ScoreResult | Exception"]]
+PAD_FACTOR = 1.5
+"""No row of a forward is shorter than its longest row over this: padding adds at most
+half again the real ids."""
+SESSION_CHUNK = 512
+"""Session requests compute their new ids this many at a time: a chunk's attention mask
+over the cached prefix is chunk x context, not context^2."""
+
+Job = TypeVar("Job")
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """One item as the worker thread scores it; a session item carries the ticket its
+    request was admitted with (a DELETE after that admission wins over it)."""
+
+    item: ScoreItem
+    ticket: SessionTicket | None = None
+
+
+def plan_forwards(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Indices into `lengths`, one list per forward: longest first; a forward's rows x
+    longest at most `max_batch_tokens` (an item longer than that goes alone) and no row
+    shorter than its longest over PAD_FACTOR."""
+    forwards: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        current = forwards[-1] if forwards else None
+        if (
+            current is not None
+            and (len(current) + 1) * lengths[current[0]] <= max_batch_tokens
+            and lengths[index] * PAD_FACTOR >= lengths[current[0]]
+        ):
+            current.append(index)
+        else:
+            forwards.append([index])
+    return forwards
 
 
 class HFScorer:
@@ -51,10 +107,14 @@ class HFScorer:
         metrics: ServerMetrics,
         cache_budget_bytes: int,
         snapshot_every: int = 512,
+        *,
+        max_batch_tokens: int,
     ) -> None:
         self.model = model.eval()
         self.metrics = metrics
         self.sessions = SessionCache(cache_budget_bytes)
+        self.max_batch_tokens = max_batch_tokens
+        """Padded ids (rows x longest) of one stateless forward at most."""
         layer_types = getattr(model.config, "layer_types", None) or []
         self.is_hybrid = "linear_attention" in layer_types
         self.device = next(model.parameters()).device
@@ -62,24 +122,31 @@ class HFScorer:
         """Hybrid models: also snapshot every this many tokens, so a request that diverges
         mid-context (a hint inserted) reuses up to the last snapshot before it."""
 
-    def score_batch(self, items: list[ScoreItem]) -> list[ScoreResult | Exception]:
-        results: list[ScoreResult | Exception | None] = [None] * len(items)
-        stateless = [i for i, item in enumerate(items) if item.session_id is None]
-        if stateless and not self.is_hybrid:
+    def score_batch(self, jobs: list[ScoreJob]) -> list[ScoreResult | Exception]:
+        """Results in job order: stateless items in the forwards `plan_forwards` cuts (one
+        that fails is retried item by item, so a bad item fails alone), then session items
+        one by one."""
+        results: list[ScoreResult | Exception | None] = [None] * len(jobs)
+        stateless = [i for i, job in enumerate(jobs) if job.item.session_id is None]
+        lengths = [len(jobs[i].item.input_ids) for i in stateless]
+        for forward in plan_forwards(lengths, self.max_batch_tokens):
+            indices = [stateless[position] for position in forward]
+            if len(indices) == 1:
+                continue
             try:
-                batch = self._score_padded([items[i] for i in stateless])
-                for index, result in zip(stateless, batch, strict=True):
+                batch = self._score_right_padded([jobs[i].item for i in indices])
+                for index, result in zip(indices, batch, strict=True):
                     results[index] = result
             except Exception:
                 pass
-        for index, item in enumerate(items):
+        for index, job in enumerate(jobs):
             if results[index] is not None:
                 continue
             try:
                 results[index] = (
-                    self._score_session(item)
-                    if item.session_id is not None
-                    else self._score_padded([item])[0]
+                    self._score_session(job.item, job.ticket)
+                    if job.item.session_id is not None
+                    else self._score_right_padded([job.item])[0]
                 )
             except Exception as err:
                 results[index] = BackendFailure(f"scoring failed: {type(err).__name__}: {err}")
@@ -100,28 +167,24 @@ class HFScorer:
         return result
 
     @torch.no_grad()
-    def _score_padded(self, items: list[ScoreItem]) -> list[ScoreResult]:
+    def _score_right_padded(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        """One forward of `items`, right-padded to the longest and without an attention
+        mask (causal: a row's ids never see the padding after them); the output layer runs
+        on each item's span positions only."""
         width = max(len(item.input_ids) for item in items)
-        keep = max(len(item.input_ids) - item.span_start + 1 for item in items)
-        pad = 0
-        input_ids = torch.full((len(items), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(items), width), dtype=torch.long)
+        input_ids = torch.zeros((len(items), width), dtype=torch.long)
         for row, item in enumerate(items):
-            input_ids[row, width - len(item.input_ids) :] = torch.tensor(item.input_ids)
-            attention[row, width - len(item.input_ids) :] = 1
-        padding: dict[str, Tensor] = {}
-        if not bool(attention.all()):  # left padding: real tokens keep positions 0, 1, ...
-            padding["attention_mask"] = attention.to(self.device)
-            padding["position_ids"] = (attention.cumsum(-1) - 1).clamp(min=0).to(self.device)
-        logits = self.model(
-            input_ids=input_ids.to(self.device), use_cache=False, logits_to_keep=keep, **padding
-        ).logits
+            input_ids[row, : len(item.input_ids)] = torch.tensor(item.input_ids)
+        hidden = self.model.get_decoder()(
+            input_ids=input_ids.to(self.device), use_cache=False
+        ).last_hidden_state
         self.metrics.add_tokens(computed=input_ids.numel())
+        head = self.model.get_output_embeddings()
+        assert head is not None
         results = []
         for row, item in enumerate(items):
-            span = len(item.input_ids) - item.span_start
-            start = keep - span - 1
-            results.append(self._span_result(logits[row, start : start + span], item, 0))
+            rows = head(hidden[row, item.span_start - 1 : len(item.input_ids) - 1])
+            results.append(self._span_result(rows, item, 0))
         return results
 
     @torch.no_grad()
@@ -150,11 +213,20 @@ class HFScorer:
             results.append(self._span_result(rows, item, 0))
         return results
 
-    @torch.no_grad()
-    def _score_session(self, item: ScoreItem) -> ScoreResult:
+    def _score_session(self, item: ScoreItem, ticket: SessionTicket | None) -> ScoreResult:
         assert item.session_id is not None
-        with self.sessions.lock(item.session_id):
-            state = self.sessions.take(item.session_id)
+        if ticket is not None:
+            return self._score_with_ticket(item, ticket)
+        ticket = self.sessions.admit(item.session_id)  # a caller without admission
+        try:
+            return self._score_with_ticket(item, ticket)
+        finally:
+            self.sessions.release(ticket)
+
+    @torch.no_grad()
+    def _score_with_ticket(self, item: ScoreItem, ticket: SessionTicket) -> ScoreResult:
+        with self.sessions.checkout(ticket) as lease:
+            state = lease.state
             ids = list(item.input_ids)
             reused = state.reuse_length(ids, limit=item.span_start - 1) if state else 0
             if state is None or reused == 0:
@@ -163,16 +235,17 @@ class HFScorer:
                 rewind(state.cache, reused, state.snapshots)
                 state.snapshots = {p: s for p, s in state.snapshots.items() if p <= reused}
             # The context ends at span_start: the next turn's context extends at least that far.
-            bounds = [len(ids)]
+            snapshot_at = {len(ids)}
             if self.is_hybrid:
                 periodic = range(
                     reused + self.snapshot_every - reused % self.snapshot_every,
                     item.span_start,
                     self.snapshot_every,
                 )
-                bounds = sorted({*periodic, item.span_start, len(ids)})
+                snapshot_at = {*periodic, item.span_start, len(ids)}
+            chunks = range(reused + SESSION_CHUNK, len(ids), SESSION_CHUNK)
             rows, begin = [], reused
-            for end in bounds:
+            for end in sorted(snapshot_at.union(chunks)):
                 # only the logits that predict span tokens (and one past the end) are computed
                 keep = end - max(begin, item.span_start - 1)
                 logits = self.model(
@@ -184,28 +257,33 @@ class HFScorer:
                 self.metrics.add_tokens(computed=end - begin)
                 if keep > 0:
                     rows.append(logits)
-                if self.is_hybrid:
+                if self.is_hybrid and end in snapshot_at:
                     state.snapshots[end] = snapshot(state.cache)
                 begin = end
             state.ids = ids
             span_rows = torch.cat(rows)[: len(ids) - item.span_start]
             result = self._span_result(span_rows, item, reused)
-            self.sessions.put(item.session_id, state)
+            lease.keep(state)
             return result
 
 
-class MicroBatcher:
-    """Collects concurrently submitted items into batches for one worker thread."""
+class MicroBatcher(Generic[Job]):
+    """Collects concurrently submitted jobs into batches for one worker thread; how a batch
+    is cut into forwards is `run_batch`'s business (HFScorer.score_batch)."""
 
     def __init__(
-        self, run_batch: BatchRunner, max_batch_size: int, max_wait_s: float, max_queue: int
+        self,
+        run_batch: Callable[[list[Job]], list[ScoreResult | Exception]],
+        max_batch_size: int,
+        max_wait_s: float,
+        max_queue: int,
     ) -> None:
         self.run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.pending = 0
-        self._queue: asyncio.Queue[tuple[ScoreItem, asyncio.Future[ScoreResult]]] | None = None
+        self._queue: asyncio.Queue[tuple[Job, asyncio.Future[ScoreResult]]] | None = None
         self._worker: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -223,23 +301,21 @@ class MicroBatcher:
             if not future.done():
                 future.set_exception(BackendFailure("the teacher is shutting down"))
 
-    async def submit(self, items: list[ScoreItem]) -> list[ScoreResult]:
+    async def submit(self, jobs: list[Job]) -> list[ScoreResult]:
         if self._queue is None:
             raise BackendFailure("the scoring worker is not running")
-        admit(self.pending, len(items), self.max_queue)
+        admit(self.pending, len(jobs), self.max_queue)
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in items]
-        self.pending += len(items)
-        for item, future in zip(items, futures, strict=True):
-            self._queue.put_nowait((item, future))
+        futures = [loop.create_future() for _ in jobs]
+        self.pending += len(jobs)
+        for job, future in zip(jobs, futures, strict=True):
+            self._queue.put_nowait((job, future))
         try:
             return list(await asyncio.gather(*futures))
         finally:
-            self.pending -= len(items)
+            self.pending -= len(jobs)
 
-    async def _run(
-        self, queue: asyncio.Queue[tuple[ScoreItem, asyncio.Future[ScoreResult]]]
-    ) -> None:
+    async def _run(self, queue: asyncio.Queue[tuple[Job, asyncio.Future[ScoreResult]]]) -> None:
         while True:
             batch = [await queue.get()]
             deadline = time.monotonic() + self.max_wait_s
@@ -251,9 +327,9 @@ class MicroBatcher:
                     batch.append(await asyncio.wait_for(queue.get(), timeout))
                 except asyncio.TimeoutError:
                     break
-            live = [(item, future) for item, future in batch if not future.done()]
+            live = [(job, future) for job, future in batch if not future.done()]
             try:
-                results = await asyncio.to_thread(self.run_batch, [item for item, _ in live])
+                results = await asyncio.to_thread(self.run_batch, [job for job, _ in live])
             except Exception as err:
                 results = [BackendFailure(f"batch failed: {err}")] * len(live)
             for (_, future), result in zip(live, results, strict=True):
@@ -265,7 +341,15 @@ class MicroBatcher:
                     future.set_result(result)
 
 
+class LimitsError(ValueError):
+    """Limits that contradict each other (the message says which to change)."""
+
+
 class HFBackend:
+    """`max_batch_tokens`: padded ids of one forward at most (default: the max context);
+    `max_request_tokens`: ids of one request at most, more is 413 (default: max_batch_size
+    items of the max context, what the default body limit holds)."""
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -276,6 +360,8 @@ class HFBackend:
         max_context: int | None = None,
         max_top_k: int = 100,
         max_batch_size: int = 32,
+        max_batch_tokens: int | None = None,
+        max_request_tokens: int | None = None,
         max_wait_ms: float = 5.0,
         max_queue: int = 1024,
         cache_budget_mb: float = 1024.0,
@@ -285,18 +371,37 @@ class HFBackend:
         self.device, self.dtype = device, dtype
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = self._load(model_dir)
-        self.scorer = HFScorer(model, metrics, int(cache_budget_mb * 2**20), snapshot_every)
         config_context = getattr(model.config, "max_position_embeddings", None) or 4096
+        context = min(max_context or config_context, config_context)
+        batch_tokens = max_batch_tokens or context
+        request_tokens = max_request_tokens or context * max_batch_size
+        for name, value in (
+            ("max_batch_tokens", batch_tokens),
+            ("max_request_tokens", request_tokens),
+        ):
+            if value < context:
+                raise LimitsError(
+                    f"{name} ({value}) is under the max context ({context}): one item of the "
+                    f"max context would not fit; raise {name} or lower max_context"
+                )
+        self.scorer = HFScorer(
+            model,
+            metrics,
+            int(cache_budget_mb * 2**20),
+            snapshot_every,
+            max_batch_tokens=batch_tokens,
+        )
         self._info = ServerInfo(
             model=self.model_dir,
             tokenizer=tokenizer_identity(tokenizer),
             vocab_size=min(len(tokenizer), model.config.vocab_size),
-            max_context=min(max_context or config_context, config_context),
+            max_context=context,
             backend="hf",
             max_top_k=max_top_k,
             max_batch_size=max_batch_size,
+            max_request_tokens=request_tokens,
         )
-        self.batcher = MicroBatcher(
+        self.batcher: MicroBatcher[ScoreJob] = MicroBatcher(
             self.scorer.score_batch, max_batch_size, max_wait_ms / 1000.0, max_queue
         )
 
@@ -324,7 +429,7 @@ class HFBackend:
                 raise
             raise BadScoreRequest(f"cannot load {model_dir}: {err}") from err
         # meant between training steps: a session request in flight during the swap may
-        # finish on the old weights (its cache is dropped here either way)
+        # finish on the old weights (it stores nothing: the clear wins over it)
         self.scorer.model = model
         dropped = self.scorer.sessions.clear()
         self.model_dir = str(model_dir)
@@ -339,7 +444,19 @@ class HFBackend:
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
         check_items(items, self._info)
-        return await self.batcher.submit(items)
+        sessions = self.scorer.sessions
+        # admitted here, not when the worker gets to them: a DELETE while they wait in the
+        # queue wins over them too
+        jobs = [
+            ScoreJob(item, None if item.session_id is None else sessions.admit(item.session_id))
+            for item in items
+        ]
+        try:
+            return await self.batcher.submit(jobs)
+        finally:
+            for job in jobs:
+                if job.ticket is not None:
+                    sessions.release(job.ticket)
 
     async def drop_session(self, session_id: str) -> bool:
         return self.scorer.sessions.drop(session_id)
@@ -358,6 +475,8 @@ class HFBackend:
                     f"opd_teacher_queue_depth {self.batcher.pending}",
                     "# TYPE opd_teacher_sessions gauge",
                     f"opd_teacher_sessions {len(sessions)}",
+                    "# TYPE opd_teacher_sessions_in_flight gauge",
+                    f"opd_teacher_sessions_in_flight {sessions.in_flight}",
                     "# TYPE opd_teacher_cache_bytes gauge",
                     f"opd_teacher_cache_bytes {sessions.total_bytes}",
                     "# TYPE opd_teacher_cache_budget_bytes gauge",

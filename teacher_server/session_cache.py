@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -84,37 +86,97 @@ class SessionState:
         return max((p for p in self.snapshots if p <= shared), default=0)
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """The bookkeeping of a session with requests in flight, removed with the last of them."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while one request computes on the session: its requests run one at a time."""
+    holders: int = 0
+    """Requests admitted and not yet released."""
+    generation: int = 0
+    """Bumped by a drop or a clear: requests admitted before it store nothing."""
+
+
+@dataclass(eq=False)
+class SessionTicket:
+    """A request's claim on its session, from admission (`SessionCache.admit`) to its
+    answer (`SessionCache.release`)."""
+
+    session_id: str
+    generation: int
+    record: _InFlight
+
+
+@dataclass(eq=False)
+class SessionLease:
+    """What `SessionCache.checkout` lends: the cached state (None: start afresh), and
+    `keep(state)` to have the updated one stored when the checkout ends."""
+
+    state: SessionState | None
+    kept: SessionState | None = None
+
+    def keep(self, state: SessionState) -> None:
+        self.kept = state
+
+
 class SessionCache:
     """session id -> SessionState, least recently used evicted first past the budget.
 
-    A state is taken out while a request computes on it and put back after, so a failed
-    request loses the session's cache instead of leaving it half-updated. Every read and
-    write of the table holds `_guard`: the scoring thread writes while /metrics reads.
+    A request holds a ticket on its session from admission to answer (`admit`, `release`)
+    and has the state out of the table while it computes (`checkout`), so a failed request
+    loses the session's cache instead of leaving it half-updated. A drop (DELETE) or a
+    clear (reload) wins over every request admitted before it, queued or computing: none of
+    them puts a state back. Per-session bookkeeping (a lock, a holder count) exists only
+    while the session has requests in flight, so nothing outlives a session. Every
+    operation is O(1) in the number of sessions and holds `_guard` for its table work (the
+    scoring thread writes while /metrics and DELETE read).
     """
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self._states: OrderedDict[str, tuple[SessionState, int]] = OrderedDict()
-        self._locks: dict[str, threading.Lock] = {}
+        self._in_flight: dict[str, _InFlight] = {}
         self._guard = threading.Lock()
         self._bytes = 0
         """Sum of the sizes in `_states`, kept with it under `_guard`."""
         self.evictions = 0
 
-    def lock(self, session_id: str) -> threading.Lock:
+    def admit(self, session_id: str) -> SessionTicket:
+        """Claim `session_id` for one request; `release` the ticket once it is answered."""
         with self._guard:
-            return self._locks.setdefault(session_id, threading.Lock())
+            record = self._in_flight.get(session_id)
+            if record is None:
+                record = self._in_flight[session_id] = _InFlight()
+            record.holders += 1
+            return SessionTicket(session_id, record.generation, record)
 
-    def take(self, session_id: str) -> SessionState | None:
+    def release(self, ticket: SessionTicket) -> None:
         with self._guard:
-            entry = self._pop(session_id)
-        return entry[0] if entry else None
+            ticket.record.holders -= 1
+            if ticket.record.holders == 0:
+                del self._in_flight[ticket.session_id]
 
-    def put(self, session_id: str, state: SessionState) -> None:
+    @contextmanager
+    def checkout(self, ticket: SessionTicket) -> Iterator[SessionLease]:
+        """The session's state, out of the table while the body runs (one request of a
+        session at a time); what the body `keep`s is stored after it, unless the session
+        was dropped since the ticket's admission or the body raised."""
+        with ticket.record.lock:
+            with self._guard:
+                entry = self._pop(ticket.session_id) if self._current(ticket) else None
+            lease = SessionLease(entry[0] if entry else None)
+            yield lease
+            if lease.kept is not None:
+                self._store(ticket, lease.kept)
+
+    def _store(self, ticket: SessionTicket, state: SessionState) -> None:
         size = state.nbytes
         with self._guard:
-            self._pop(session_id)
-            self._states[session_id] = (state, size)
+            if not self._current(ticket):
+                return  # dropped while it computed: the drop wins
+            self._pop(ticket.session_id)
+            self._states[ticket.session_id] = (state, size)
             self._bytes += size
             while self._states and self._bytes > self.budget_bytes:
                 _, (_, evicted) = self._states.popitem(last=False)
@@ -122,18 +184,30 @@ class SessionCache:
                 self.evictions += 1
 
     def drop(self, session_id: str) -> bool:
+        """Forget the session, also for its requests in flight; whether there was anything
+        (a cached state or a request in flight) to forget."""
         with self._guard:
-            self._locks.pop(session_id, None)
-            return self._pop(session_id) is not None
+            record = self._in_flight.get(session_id)
+            if record is not None:
+                record.generation += 1
+            return self._pop(session_id) is not None or record is not None
 
     def clear(self) -> int:
-        """Drop every session (their prefixes were computed with other weights)."""
+        """Drop every session (their prefixes were computed with other weights), also for
+        the requests in flight; how many cached states were dropped."""
         with self._guard:
             count = len(self._states)
             self._states.clear()
             self._bytes = 0
-            self._locks.clear()
+            for record in self._in_flight.values():
+                record.generation += 1
             return count
+
+    def _current(self, ticket: SessionTicket) -> bool:
+        """Whether no drop or clear came since the ticket's admission, and it was not
+        released (a request whose caller gave up); the caller holds `_guard`."""
+        record = self._in_flight.get(ticket.session_id)
+        return record is ticket.record and record.generation == ticket.generation
 
     def _pop(self, session_id: str) -> tuple[SessionState, int] | None:
         """Remove one entry; the caller holds `_guard`."""
@@ -147,6 +221,17 @@ class SessionCache:
         with self._guard:
             return self._bytes
 
+    @property
+    def in_flight(self) -> int:
+        """Sessions with a request admitted and not yet answered."""
+        with self._guard:
+            return len(self._in_flight)
+
     def __len__(self) -> int:
         with self._guard:
             return len(self._states)
+
+    def __contains__(self, session_id: object) -> bool:
+        """Whether a state of the session is cached."""
+        with self._guard:
+            return session_id in self._states

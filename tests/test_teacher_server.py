@@ -524,11 +524,21 @@ def test_the_default_body_limit_fits_a_full_batch_of_max_context_items(
     assert default_max_body_bytes(full_teacher.backend.info()) < 50 * 2**20
 
 
+def store(sessions: SessionCache, session_id: str, state: SessionState) -> None:
+    """What one session request does to the table: admitted, its state kept, released."""
+    ticket = sessions.admit(session_id)
+    try:
+        with sessions.checkout(ticket) as lease:
+            lease.keep(state)
+    finally:
+        sessions.release(ticket)
+
+
 def _churn(sessions: SessionCache, config: Any, stop: threading.Event) -> None:
     """What the scoring thread and DELETE /v1/sessions do to the table, as fast as it goes."""
     index = 0
     while not stop.is_set():
-        sessions.put(f"churn-{index}", SessionState(ids=[], cache=DynamicCache(config=config)))
+        store(sessions, f"churn-{index}", SessionState(ids=[], cache=DynamicCache(config=config)))
         sessions.drop(f"churn-{index - 50}")
         index += 1
 
@@ -539,8 +549,10 @@ def test_metrics_answer_while_sessions_come_and_go(full_dir: Path) -> None:
     for teacher in _start(full_dir):
         sessions, config = teacher.backend.scorer.sessions, teacher.model.config
         for index in range(5000):
-            sessions.put(
-                f"resident-{index}", SessionState(ids=[], cache=DynamicCache(config=config))
+            store(
+                sessions,
+                f"resident-{index}",
+                SessionState(ids=[], cache=DynamicCache(config=config)),
             )
         stop = threading.Event()
         switch = sys.getswitchinterval()
