@@ -11,7 +11,10 @@ submitting a job to a cluster that lacks nodes.
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -22,8 +25,30 @@ def alive_nodes(address: str) -> list[dict[str, Any]]:
     import ray
 
     if not ray.is_initialized():
+        host, _, port = address.rpartition(":")
+        # ray.init waits long for a GCS that is not there: ask the port first
+        with socket.create_connection((host, int(port)), timeout=5.0):
+            pass
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def _give_up_at(timeout_s: float, nodes: int, address: str) -> threading.Timer:
+    """However Ray blocks (a head that died while we were connected), exit 1 at the
+    deadline."""
+
+    def give_up() -> None:
+        print(
+            f"ray at {address}: {nodes} nodes not alive after {timeout_s:.0f} s (no answer)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s + 10.0, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def describe(node: dict[str, Any]) -> str:
@@ -47,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, required=True, help="Alive nodes to wait for.")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     options = parser.parse_args(argv)
+    _give_up_at(options.timeout_s, options.nodes, options.address)
     deadline = time.monotonic() + options.timeout_s
     seen: list[dict[str, Any]] = []
     last_error = ""

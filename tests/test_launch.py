@@ -897,3 +897,16 @@ def test_dry_run_names_every_host_and_command() -> None:
     assert text.count("# ") >= 15
     assert "@ teacher-node (background)" in text and "@ train-node-3 (background)" in text
     assert "ray start --block --address train-node-0:6379 --node-ip-address train-node-3" in text
+
+
+def test_wait_ray_gives_up_at_its_deadline_with_what_it_saw(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from launch.wait_ray import main as wait_ray
+
+    started = time.monotonic()
+    assert (
+        wait_ray(["--address", f"127.0.0.1:{free_port()}", "--nodes", "2", "--timeout-s", "2"]) == 1
+    )
+    assert time.monotonic() - started < 30
+    assert "0 of 2 nodes alive after 2 s" in capsys.readouterr().err

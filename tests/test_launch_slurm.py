@@ -25,6 +25,7 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import pytest
 from launch.config import config_from_dict
 from launch.plan import render_sbatch
 from tests.live_server import free_port
-from tests.slurm_cluster import Proctrack, require_slurm, slurm_cluster
+from tests.slurm_cluster import require_slurm, slurm_cluster
 
 KEY_NAME = "OPD_SLURM_TEST_TEACHER_KEY"
 KEY_VALUE = "k-" + "".join(random.choice("abcdef0123456789") for _ in range(24))
@@ -183,40 +184,118 @@ def _job_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("proctrack", ["cgroup", "linuxproc"])
+def _check_the_run(tmp_path: Path, cluster: Any, state: str) -> None:
+    """What a completed run must show (the module docstring)."""
+    output = "\n".join(
+        f"--- {path.name}\n{path.read_text()[-3000:]}"
+        for path in sorted((tmp_path / "run/logs").glob("*"))
+    )
+    assert state == "COMPLETED", output
+    report = json.loads((tmp_path / "run/standin-train.json").read_text())
+    gpu_ips = {n["ip"] for n in report["nodes"] if n["resources"].get("GPU", 0) == 4}
+    sandbox = [n for n in report["nodes"] if "opd_sandbox_host" in n["resources"]]
+    assert len(report["nodes"]) == 3 and len(gpu_ips) == 2, report["nodes"]
+    assert len(sandbox) == 1 and sandbox[0]["resources"].get("GPU", 0) == 0
+    addresses = set(cluster.node_addresses.values())
+    assert gpu_ips <= addresses and sandbox[0]["ip"] in addresses
+    training = report["training"]
+    assert training["key_set"] and not training["key_unexpanded"], training
+    assert (training["with_key"], training["without_key"]) == (200, 401), training
+    assert training["ip"] in gpu_ips and report["sandbox"]["gpus"] == []
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert KEY_VALUE not in path.read_text(errors="replace"), path
+    assert cluster.wait_queue_empty(timeout_s=30) == []
+    assert cluster.processes_left(LEFTOVERS) == []
+
+
+@pytest.mark.timeout(300)
 def test_the_generated_sbatch_script_runs_the_job_on_slurm_and_leaves_nothing(
-    tmp_path: Path, factory_dir: Path, proctrack: Proctrack, request: pytest.FixtureRequest
+    tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
 ) -> None:
-    require_slurm(proctrack)
+    """Under proctrack/linuxproc; under cgroup the relaunch below runs the same checks."""
+    require_slurm("linuxproc")
+    script, _ = _submit_variant(tmp_path, factory_dir, request, lambda text: text)
+    assert KEY_VALUE not in script.read_text()
+    with slurm_cluster(tmp_path / "slurm", "linuxproc") as cluster:
+        state = cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=240)
+        _check_the_run(tmp_path, cluster, state)
+
+
+def _submit_variant(
+    tmp_path: Path,
+    factory_dir: Path,
+    request: pytest.FixtureRequest,
+    edit: Any,
+    ray_wait_s: int = 180,
+) -> tuple[Path, Any]:
+    """The generated script with `edit` applied to its text (a plan as it was before the
+    fix the test is the control of), written next to the job."""
     ray_temp = Path(tempfile.mkdtemp(prefix="opd-ray-"))
     request.addfinalizer(lambda: shutil.rmtree(ray_temp, ignore_errors=True))
     job = _job(tmp_path, factory_dir, ray_temp)
+    job = job.model_copy(
+        update={"cluster": job.cluster.model_copy(update={"ray_wait_s": ray_wait_s})}
+    )
     script = tmp_path / "job.sbatch"
-    script.write_text(render_sbatch(job, script))
-    (tmp_path / "run/logs").mkdir(parents=True)  # as `opd launch --sbatch` does
-    assert KEY_VALUE not in script.read_text()
-    with slurm_cluster(tmp_path / "slurm", proctrack) as cluster:
+    script.write_text(edit(render_sbatch(job, script)))
+    (tmp_path / "run/logs").mkdir(parents=True)
+    return script, job
+
+
+@pytest.mark.timeout(420)
+def test_without_ray_start_block_the_cluster_never_forms_and_a_relaunch_needs_no_cleanup(
+    tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Negative control: `ray start` without --block (the plan before this fix) returns at
+    once, its step ends, and under proctrack/cgroup Slurm kills what it started: the wait
+    for the cluster fails and the job with it; nothing is submitted. Then the plan as
+    written, on the same cluster with no cleanup in between, runs the whole job under
+    cgroup (the checks of the linuxproc test)."""
+    require_slurm("cgroup")
+    script, job = _submit_variant(
+        tmp_path, factory_dir, request, lambda text: text.replace("ray start --block", "ray start"),
+        ray_wait_s=20,
+    )  # fmt: skip
+    with slurm_cluster(tmp_path / "slurm", "cgroup") as cluster:
+        state = cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=240)
+        assert state == "FAILED"
+        log = next((tmp_path / "run/logs").glob("slurm-*.out")).read_text()
+        assert "alive after 20 s" in log, log[-3000:]
+        assert not (tmp_path / "run/standin-train.json").exists()
+        assert cluster.wait_queue_empty(timeout_s=30) == []
+        assert cluster.processes_left(LEFTOVERS) == []
+        # the plan as written, relaunched on the same nodes after the failure, no cleanup
+        fixed = tmp_path / "job-fixed.sbatch"
+        fixed.write_text(render_sbatch(job, fixed))
+        state = cluster.wait_job(cluster.sbatch(fixed, _job_env()), timeout_s=240)
+        _check_the_run(tmp_path, cluster, state)
+
+
+@pytest.mark.timeout(300)
+def test_without_overlap_a_step_waits_for_ever_and_scancel_leaves_nothing(
+    tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Negative control: without --overlap (the plan before this fix) the step after a
+    daemon waits for ever ("Requested nodes are busy"): the job is still running, stuck
+    before Ray's cluster forms, long after it would have finished. Cancelling it
+    (scancel) mid-run leaves no Ray, teacher or step process and an empty queue."""
+    require_slurm("linuxproc")
+    script, _ = _submit_variant(
+        tmp_path, factory_dir, request, lambda text: text.replace(" --overlap", "")
+    )
+    with slurm_cluster(tmp_path / "slurm", "linuxproc") as cluster:
         job_id = cluster.sbatch(script, _job_env())
-        state = cluster.wait_job(job_id, timeout_s=360)
-        output = "\n".join(
-            f"--- {path.name}\n{path.read_text()[-3000:]}"
-            for path in sorted((tmp_path / "run/logs").glob("*"))
-        )
-        assert state == "COMPLETED", output
-        report = json.loads((tmp_path / "run/standin-train.json").read_text())
-        gpu_ips = {n["ip"] for n in report["nodes"] if n["resources"].get("GPU", 0) == 4}
-        sandbox = [n for n in report["nodes"] if "opd_sandbox_host" in n["resources"]]
-        assert len(report["nodes"]) == 3 and len(gpu_ips) == 2, report["nodes"]
-        assert len(sandbox) == 1 and sandbox[0]["resources"].get("GPU", 0) == 0
-        addresses = set(cluster.node_addresses.values())
-        assert gpu_ips <= addresses and sandbox[0]["ip"] in addresses
-        training = report["training"]
-        assert training["key_set"] and not training["key_unexpanded"], training
-        assert (training["with_key"], training["without_key"]) == (200, 401), training
-        assert training["ip"] in gpu_ips and report["sandbox"]["gpus"] == []
-        for path in (tmp_path / "run").rglob("*"):
-            if path.is_file():
-                assert KEY_VALUE not in path.read_text(errors="replace"), path
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert cluster.job_state(job_id) in ("PENDING", "RUNNING")
+            time.sleep(2)
+        assert not (tmp_path / "run/standin-train.json").exists()
+        # stuck behind the first daemon (the teacher service, which is up): the steps
+        # after it never start, Ray's cluster never forms
+        assert not (tmp_path / "run/logs/ray-worker-1.log").exists()
+        assert cluster.processes_left(["opd-teacher"]) != []
+        cluster.scancel(job_id)
+        assert cluster.wait_job(job_id, timeout_s=60) == "CANCELLED"
         assert cluster.wait_queue_empty(timeout_s=30) == []
         assert cluster.processes_left(LEFTOVERS) == []
