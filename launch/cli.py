@@ -159,10 +159,20 @@ def launch(
     sbatch: Annotated[
         Path | None, typer.Option(help="Write a Slurm batch script here instead of running.")
     ] = None,
+    stop: Annotated[
+        bool,
+        typer.Option(
+            "--stop",
+            help="Stop what a launch of this config started (its daemons: Ray, the teacher, "
+            "the snapshot sync), last started first; under Slurm, scancel the job instead.",
+        ),
+    ] = False,
 ) -> None:
     """Start a cluster job: the teacher service on its node, Ray on the training and
     sandbox nodes, the HF -> Megatron conversion when needed, and `ray job submit` of
-    slime's train.py with our hooks. Nodes are reached per cluster.executor."""
+    slime's train.py with our hooks. Nodes are reached per cluster.executor. A launch first
+    stops what an earlier launch of the same run left, and stops what it started when a
+    step fails."""
     from launch.checks import launch_problems
     from launch.executor import Executor, LaunchError
     from launch.plan import build_plan, hosts_from_config, render_dry_run, render_sbatch
@@ -188,6 +198,11 @@ def launch(
             )
             return
         steps = build_plan(config, hosts_from_config(config))
+        if stop:
+            reporter = Executor(config, report=lambda line: console.print(line, highlight=False))
+            stopped = reporter.stop(steps)
+            console.print(f"stopped {len(stopped)} daemon(s) of {config.logging.run_dir}")
+            return
         if dry_run:  # plain text: rich would wrap the long commands
             typer.echo(render_dry_run(steps, f"{config.logging.run_dir}/logs"), nl=False)
             return

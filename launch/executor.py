@@ -2,8 +2,15 @@
 step that fails with the step, the host, the exit code and the end of its output.
 
 Hosts are reached by ssh (`cluster.ssh_command` + host + command), by srun inside a Slurm
-allocation, or locally. Background steps (the teacher service) are started with nohup,
-their output in run_dir/logs/<step>.log on their host.
+allocation, or locally. Background steps (Ray on every node, the teacher service) are
+started with nohup, their output in run_dir/logs/<step>.log and their process in
+run_dir/logs/<step>.pid ("PID START", START as `ps -o lstart=` prints it) on their host.
+
+`stop` ends the background steps of a plan in reverse order, each only if the process in
+its pid file is still the one it started (a reused pid is left alone): SIGTERM, up to
+STOP_GRACE_S for it to exit (`ray start --block` stops the node's Ray on SIGTERM), then
+SIGKILL. `run` stops what an earlier launch of the same run left before it starts, and
+what it started itself when a step fails.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from launch.config import ConfigError, JobConfig
 from launch.plan import Step, slug
 
 Report = Callable[[str], None]
+STOP_GRACE_S = 30
+"""How long a daemon gets to exit on SIGTERM before SIGKILL."""
 
 
 class LaunchError(RuntimeError):
@@ -52,18 +61,58 @@ class Executor:
             return ["srun", "--nodes=1", "--ntasks=1", "-w", host, *shell, command]
         return [*cluster.ssh_command, host, shlex.join([*shell, command])]
 
-    def run(self, steps: list[Step]) -> None:
+    def run(self, steps: list[Step], teardown_on_failure: bool = True) -> None:
+        """Every step in order; first the leftovers of an earlier launch of this run are
+        stopped, and when a step fails the daemons this launch started are."""
+        self.stop(steps, quiet=True)
         for number, step in enumerate(steps, start=1):
             self.report(f"[{number}/{len(steps)}] {step.name} @ {step.host}")
             started = time.monotonic()
             try:
                 self._run_step(step)
             except LaunchError as err:
+                stopped = ""
+                if teardown_on_failure and any(s.kind == "background" for s in steps[:number]):
+                    self.stop(steps[:number])
+                    stopped = " The daemons it had started were stopped."
                 raise LaunchError(
                     f"step {number}/{len(steps)} '{step.name}' on {step.host} failed: {err}. "
-                    f"Steps {number + 1}-{len(steps)} were not run."
+                    f"Steps {number + 1}-{len(steps)} were not run.{stopped}"
                 ) from None
             self.report(f"    done in {time.monotonic() - started:.1f} s")
+
+    def stop(self, steps: list[Step], quiet: bool = False) -> list[str]:
+        """Stop the plan's background steps that are running, last started first; what
+        was stopped ("name @ host")."""
+        stopped = []
+        for step in reversed([s for s in steps if s.kind == "background"]):
+            pid_file = shlex.quote(f"{self.log_dir}/{slug(step.name)}.pid")
+            script = (
+                f'f={pid_file}; [ -f "$f" ] || exit 3; read -r pid start < "$f"; '
+                'if [ -n "$pid" ] && [ "$(ps -o lstart= -p "$pid" 2>/dev/null)" = "$start" ]; '
+                'then kill -TERM "$pid"; '
+                f'for i in $(seq {STOP_GRACE_S}); do kill -0 "$pid" 2>/dev/null || break; '
+                'sleep 1; done; kill -KILL "$pid" 2>/dev/null; rm -f "$f"; exit 0; fi; '
+                'rm -f "$f"; exit 3'
+            )
+            try:
+                done = subprocess.run(
+                    self.command_for(step.host, script),
+                    capture_output=True,
+                    text=True,
+                    timeout=STOP_GRACE_S + 60,
+                    check=False,
+                )
+            except (subprocess.TimeoutExpired, OSError) as err:
+                self.report(f"    could not stop {step.name} @ {step.host}: {err}")
+                continue
+            if done.returncode == 0:
+                stopped.append(f"{step.name} @ {step.host}")
+                self.report(f"stopped {step.name} @ {step.host}")
+            elif done.returncode != 3 and not quiet:
+                tail = (done.stderr or done.stdout).strip()[-500:]
+                self.report(f"    could not stop {step.name} @ {step.host}: {tail}")
+        return stopped
 
     def _run_step(self, step: Step) -> None:
         if step.kind == "write":
@@ -80,10 +129,12 @@ class Executor:
         command = step.command
         if step.kind == "background":
             log = f"{self.log_dir}/{slug(step.name)}.log"
+            pid_file = shlex.quote(f"{self.log_dir}/{slug(step.name)}.pid")
             # two statements: `a && b &` would background a subshell holding our pipes
             command = (
                 f"mkdir -p {shlex.quote(self.log_dir)} || exit 1; nohup {command} > "
-                f"{shlex.quote(log)} 2>&1 < /dev/null &"
+                f"{shlex.quote(log)} 2>&1 < /dev/null & "
+                f'echo "$! $(ps -o lstart= -p $!)" > {pid_file}'
             )
         try:
             done = subprocess.run(

@@ -8,6 +8,7 @@ import argparse
 import importlib
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -29,7 +30,7 @@ from launch.checks import check_tokenizers, local_tokenizer_identity
 from launch.cli import app
 from launch.config import ConfigError, config_from_dict, load_config
 from launch.executor import Executor, LaunchError
-from launch.plan import Hosts, build_plan, check_cluster, hosts_from_config, render_dry_run
+from launch.plan import Hosts, Step, build_plan, check_cluster, hosts_from_config, render_dry_run
 from launch.slime_flags import given_flags
 from teacher_server.cli import app as teacher_cli
 from tests import megatron_converter_standin as converter_standin
@@ -765,7 +766,9 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
         _stop_teacher(job.teacher.port)
     log = trace.read_text().splitlines()
     hosts = [line.removeprefix("HOST ") for line in log if line.startswith("HOST ")]
-    assert hosts == [
+    daemons = [s.host for s in steps if s.kind == "background"]
+    assert hosts[: len(daemons)] == daemons[::-1]  # an earlier launch's leftovers, checked
+    assert hosts[len(daemons) :] == [
         "127.0.0.1", "node-0", "node-0", "node-0", "node-1", "cpu-0", "node-0", "node-0"
     ]  # fmt: skip
     rays = [line for line in log if line.startswith("ray ")]
@@ -879,7 +882,8 @@ def test_launch_stops_at_the_first_failing_step_and_says_so(
     # no teacher answers: the wait fails first, and nothing after it runs
     with pytest.raises(LaunchError, match=r"step 3/\d+ 'wait teacher' on local failed"):
         Executor(job, report=lambda _: None, wait_timeout_s=2).run(steps)
-    assert not trace.exists()
+    # only the check for an earlier launch's daemons reached the nodes
+    assert all(line.startswith("HOST ") for line in trace.read_text().splitlines())
     # skip the teacher: a node's Ray never joins (its daemon step failed), the wait for the
     # whole cluster says so, the submit never runs
     steps = [s for s in steps if "teacher" not in s.name]
@@ -910,3 +914,51 @@ def test_wait_ray_gives_up_at_its_deadline_with_what_it_saw(
     )
     assert time.monotonic() - started < 30
     assert "0 of 2 nodes alive after 2 s" in capsys.readouterr().err
+
+
+def _daemons_of(marker: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    return found.stdout.split()
+
+
+@pytest.mark.timeout(120)
+def test_launch_stops_its_daemons_on_failure_and_an_earlier_launchs_before_starting(
+    tmp_path: Path,
+) -> None:
+    """Background steps leave a pid file; a failing step stops the daemons started before
+    it; a relaunch first stops what the previous launch left (no manual cleanup); --stop
+    ends them, last started first; a pid file whose process is not the one started (a
+    reused pid) is left alone."""
+    marker = f"sleep {random.randrange(10**6, 10**7)}"
+    job = config_from_dict(
+        {
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+            "cluster": {"executor": "local", "remote_shell": ["bash", "-c"]},
+        }
+    )
+    daemon = Step("sleeper", "localhost", marker, "background")
+    failing = Step("broken", "localhost", "echo nope >&2; exit 4")
+    fine = Step("fine", "localhost", "true")
+    lines: list[str] = []
+    executor = Executor(job, report=lines.append)
+    try:
+        with pytest.raises(LaunchError, match="daemons it had started were stopped"):
+            executor.run([daemon, failing])
+        assert _daemons_of(marker) == []
+        executor.run([daemon, fine])
+        [first] = _daemons_of(marker)
+        executor.run([daemon, fine])  # a relaunch: the earlier daemon is stopped first
+        [second] = _daemons_of(marker)
+        assert second != first
+        assert executor.stop([daemon, fine]) == ["sleeper @ localhost"]
+        assert _daemons_of(marker) == [] and not (tmp_path / "run/logs/sleeper.pid").exists()
+        bystander = subprocess.Popen(["sleep", "300"])
+        (tmp_path / "run/logs/sleeper.pid").write_text(
+            f"{bystander.pid} Mon Jan  1 00:00:00 2001\n"
+        )
+        assert executor.stop([daemon]) == [] and bystander.poll() is None
+        bystander.kill()
+        bystander.wait()
+    finally:
+        for pid in _daemons_of(marker):
+            os.kill(int(pid), signal.SIGKILL)
