@@ -76,8 +76,13 @@ def _sweep(fd: int, uid: int, depth: int, seen: set[tuple[int, int]], remove: Re
     if (info.st_dev, info.st_ino) in seen:
         return
     seen.add((info.st_dev, info.st_ino))
+    found = []
     with os.scandir(fd) as entries:
-        found = [(entry.name, entry.stat(follow_symlinks=False)) for entry in entries]
+        for entry in entries:
+            try:
+                found.append((entry.name, entry.stat(follow_symlinks=False)))
+            except FileNotFoundError:
+                continue  # another process removed it meanwhile (a shared /tmp)
     for name, entry in found:
         if entry.st_uid == uid:
             remove(fd, name)

@@ -12,7 +12,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,24 +28,12 @@ from sandbox import (
     SandboxFileError,
     WorkerExecResult,
 )
-from sandbox.jail import find_bwrap, probe_strict
+from tests.sandbox_modes import STRICT, run
 
 T = TypeVar("T")
 UID_BASE = 304_000
 HUGE_COMMAND = "echo " + "x" * 200_000  # one argument over the kernel's 128 KiB
 
-
-def _strict_problem() -> str | None:
-    bwrap = find_bwrap()
-    return "bubblewrap is not installed" if bwrap is None else probe_strict(bwrap)
-
-
-STRICT = pytest.param(
-    "strict",
-    marks=pytest.mark.skipif(
-        _strict_problem() is not None, reason=f"strict isolation: {_strict_problem()}"
-    ),
-)
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need root"),
@@ -63,10 +51,6 @@ def root_dir() -> Iterator[Path]:
     root = Path(tempfile.gettempdir()) / f"opd-sandbox-hostile-{os.getpid()}"
     yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
 
 
 def config(root_dir: Path, isolation: str) -> LocalSandboxConfig:

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,26 +26,14 @@ from sandbox import (
     SandboxStartError,
     WorkerExecResult,
 )
-from sandbox.jail import find_bwrap, probe_strict
 from sandbox.leases import uid_processes
 from sandbox.python_worker import FRAME_HEADER, _Cell, _interpreter_roots, _read_frames, _Route
 from sandbox.python_worker_child import FRAME_HEADER as CHILD_FRAME_HEADER
+from tests.sandbox_modes import STRICT, run
 
 T = TypeVar("T")
 UID_BASE = 302_000
 
-
-def _strict_problem() -> str | None:
-    bwrap = find_bwrap()
-    return "bubblewrap is not installed" if bwrap is None else probe_strict(bwrap)
-
-
-STRICT = pytest.param(
-    "strict",
-    marks=pytest.mark.skipif(
-        _strict_problem() is not None, reason=f"strict isolation: {_strict_problem()}"
-    ),
-)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need root")
 
@@ -53,10 +41,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need
 @pytest.fixture(params=[STRICT, "basic"])
 def isolation(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
 
 
 @pytest.fixture(scope="module")

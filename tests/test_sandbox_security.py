@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,8 +32,8 @@ import pytest
 
 from sandbox import ExecResult, LocalSandbox, LocalSandboxConfig, PythonWorker, PythonWorkerConfig
 from sandbox.base import SandboxFileError
-from sandbox.jail import find_bwrap, probe_strict
 from sandbox.leases import remove_tree, uid_processes
+from tests.sandbox_modes import STRICT, run
 
 T = TypeVar("T")
 PY = "/usr/bin/python3"
@@ -48,22 +48,7 @@ pytestmark = [
 ]
 
 
-def _strict_problem() -> str | None:
-    bwrap = find_bwrap()
-    return "bubblewrap is not installed" if bwrap is None else probe_strict(bwrap)
-
-
-STRICT = pytest.param(
-    "strict",
-    marks=pytest.mark.skipif(
-        _strict_problem() is not None, reason=f"strict isolation: {_strict_problem()}"
-    ),
-)
 BOTH = [STRICT, "basic"]
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
 
 
 @pytest.fixture(scope="module")

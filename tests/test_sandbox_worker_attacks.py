@@ -18,33 +18,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 
 from sandbox import LocalSandboxConfig, PythonWorker, PythonWorkerConfig, WorkerExecResult
-from sandbox.jail import find_bwrap, probe_strict
 from sandbox.leases import uid_processes
 from sandbox.python_worker import FRAME_HEADER
+from tests.sandbox_modes import STRICT, run
 
 T = TypeVar("T")
 UID_BASE = 303_000
 PY = "/usr/bin/python3"
 
-
-def _strict_problem() -> str | None:
-    bwrap = find_bwrap()
-    return "bubblewrap is not installed" if bwrap is None else probe_strict(bwrap)
-
-
-STRICT = pytest.param(
-    "strict",
-    marks=pytest.mark.skipif(
-        _strict_problem() is not None, reason=f"strict isolation: {_strict_problem()}"
-    ),
-)
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need root"),
@@ -62,10 +50,6 @@ def root_dir() -> Iterator[Path]:
     root = Path(tempfile.gettempdir()) / f"opd-sandbox-attacks-{os.getpid()}"
     yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
 
 
 def worker_config(root_dir: Path, isolation: str) -> PythonWorkerConfig:
