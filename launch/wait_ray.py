@@ -72,7 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, required=True, help="Alive nodes to wait for.")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     options = parser.parse_args(argv)
-    _give_up_at(options.timeout_s, options.nodes, options.address)
+    watchdog = _give_up_at(options.timeout_s, options.nodes, options.address)
+    try:
+        return _wait(options)
+    finally:
+        watchdog.cancel()  # returned in time: this process may live on (a caller's)
+
+
+def _wait(options: argparse.Namespace) -> int:
     deadline = time.monotonic() + options.timeout_s
     seen: list[dict[str, Any]] = []
     last_error = ""

@@ -78,9 +78,9 @@ def _sweep(fd: int, uid: int, depth: int, seen: set[tuple[int, int]], remove: Re
     seen.add((info.st_dev, info.st_ino))
     found = []
     with os.scandir(fd) as entries:
-        for entry in entries:
+        for listed in entries:
             try:
-                found.append((entry.name, entry.stat(follow_symlinks=False)))
+                found.append((listed.name, listed.stat(follow_symlinks=False)))
             except FileNotFoundError:
                 continue  # another process removed it meanwhile (a shared /tmp)
     for name, entry in found:
