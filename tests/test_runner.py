@@ -457,21 +457,22 @@ def test_an_error_building_the_first_messages_ends_only_its_trajectory(
     assert "victim#0" not in plan.seen  # no episode was started
 
 
+async def cancel_mid_run(runner: Runner, plan: FaultPlan) -> None:
+    """Run FAULT_TASKS and cancel the rollout once its episodes took 3 steps."""
+    rollout = asyncio.create_task(runner.run(FAULT_TASKS))
+    while sum(seen["episode.step"] for seen in plan.seen.values()) < 3:
+        await asyncio.sleep(0)
+    rollout.cancel()
+    await rollout
+
+
 def test_a_cancelled_rollout_propagates_after_closing_its_episodes(
     factory_tokenizer: Any,
 ) -> None:
     plan = FaultPlan()
     runner = _faulty_runner(factory_tokenizer, plan)
-
-    async def cancel_mid_run() -> None:
-        rollout = asyncio.create_task(runner.run(FAULT_TASKS))
-        while sum(seen["episode.step"] for seen in plan.seen.values()) < 3:
-            await asyncio.sleep(0)
-        rollout.cancel()
-        await rollout
-
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(cancel_mid_run())
+        asyncio.run(cancel_mid_run(runner, plan))
     assert [plan.seen[f"{t.task_id}#0"]["sandbox.close"] for t in FAULT_TASKS] == [1, 1, 1]
 
 

@@ -35,6 +35,7 @@ from tests.test_runner import (
     FaultyPolicy,
     FaultyTeacher,
     ScriptedPolicy,
+    cancel_mid_run,
 )
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.timeout(120)]
@@ -139,16 +140,8 @@ def test_a_cancelled_rollout_deletes_its_sessions_before_it_propagates(
     plan = FaultPlan()
     teacher = SessionTeacher(plan)
     runner = _runner(factory_tokenizer, plan, teacher, "per_turn")
-
-    async def cancel_mid_run() -> None:
-        rollout = asyncio.create_task(runner.run(FAULT_TASKS))
-        while sum(seen["episode.step"] for seen in plan.seen.values()) < 3:
-            await asyncio.sleep(0)
-        rollout.cancel()
-        await rollout
-
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(cancel_mid_run())
+        asyncio.run(cancel_mid_run(runner, plan))
     assert teacher.scored == set(TRAJECTORIES)
     assert dict(teacher.dropped) == dict.fromkeys(TRAJECTORIES, 1)
     assert teacher.out_of_order == []

@@ -34,7 +34,6 @@ from rollout.runner import Runner
 from rollout.trajectory import Task, Trajectory
 from slime_ext.slime.samples import HINT_STATS_KEY, REMINDER_STATS_KEY, to_samples
 from slime_ext.slime.settings import HookConfigError, config_path, job_config, load_job
-from slime_ext.slime.topk import needs_topk
 from slime_ext.turns import LossKind
 from teacher_server.client import TeacherClient
 
@@ -82,7 +81,7 @@ async def generate(
         loss_kind=loss_kind(recipe, trajectory),
         train_kl_on_invalid=job.algorithm.train_on_invalid_turns,
         with_teacher=recipe in TEACHER_RECIPES and not evaluation,
-        teacher_top_k=job.teacher.top_k if needs_topk(job) else 0,
+        teacher_top_k=job.teacher.top_k if job.needs_teacher_topk else 0,
     )
     if evaluation:  # slime's eval reads one reward per sample; keep the whole trajectory's
         for s in samples:

@@ -44,7 +44,7 @@ from slime_ext.losses import (
 )
 from slime_ext.slime.cp import ResponseSlice, response_slices
 from slime_ext.slime.settings import Parallel, job_config, megatron_parallel
-from slime_ext.slime.topk import needs_topk, rows_for
+from slime_ext.slime.topk import rows_for
 from slime_ext.vocab_parallel import VocabShard, keep_valid_rows, token_logprobs
 
 METRICS = ("opd_reverse_kl", "student_gt_teacher_frac", "loss_tokens")
@@ -72,7 +72,7 @@ def loss(
     sum_of_sample_mean: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, dict[str, Tensor]]:
     job = job_config(args)
-    topk = needs_topk(job)
+    topk = job.needs_teacher_topk
     parallel = megatron_parallel()
     if logits.dim() != 3 or logits.size(0) != 1:
         raise SlimeBatchError(f"logits must be [1, T_local, V/TP], got {tuple(logits.shape)}")
@@ -162,19 +162,22 @@ class TeacherTopK:
                 f"a vocabulary of {vocab}: the teacher serves another tokenizer"
             )
         self.logits = local_logits
+        # OPRD's teacher_topk failure loss keeps the tail bucket, as the local trainer's
+        self.tail = job.algorithm.recipe == "oprd" or job.algorithm.opd_loss == "topk_tail"
         self.shard = _shard(parallel, args)
         self.temperature = _temperature(args)
         self.chunk_size = _chunk_size(args)
 
-    def kl(self, mask: Tensor, tail: bool) -> TokenLoss:
-        """Per token KL(p_S || p_T on its top-k), tail bucket or renormalized; 0 off mask."""
+    def kl(self, mask: Tensor) -> TokenLoss:
+        """Per token KL(p_S || p_T on its top-k), tail bucket or renormalized (the job's
+        loss); 0 off the mask."""
         return teacher_topk_kl(
             self.logits,
             self.ids,
             self.logprobs,
             mask,
             self.temperature,
-            tail,
+            self.tail,
             shard=self.shard,
             chunk_size=self.chunk_size,
         )
@@ -200,9 +203,8 @@ def _recipe_loss(
         return TokenLoss(per_token, {}), None
     teacher = _sliced_given(batch, "teacher_log_probs", slices)
     if top is not None:
-        tail = job_config(args).algorithm.opd_loss == "topk_tail"
         sampler = _optional_sliced(batch, "rollout_log_probs", slices)
-        return top.kl(mask, tail), sampled_reverse_kl(
+        return top.kl(mask), sampled_reverse_kl(
             student if sampler is None else sampler, teacher, mask
         )
     old, clip = _old_logprobs(args, batch, slices)
@@ -240,7 +242,7 @@ def _oprd_loss(
     if top is None:
         kl_pg = reverse_kl_pg_loss(student, teacher, failure, old_logprobs=old, clip=clip)
     else:
-        kl_pg = top.kl(failure, tail=True)
+        kl_pg = top.kl(failure)
     failure_loss = kl_pg.per_token
     algorithm = job.algorithm
     per_token = weight * (

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from launch.config import JobConfig
 from slime_ext.slime.settings import HookConfigError
 
 TOPK_KEY = "opd_teacher_topk"
@@ -54,10 +53,6 @@ _TRAIN_STEP_KEY = "teacher_log_probs"
 
 class TopKError(ValueError):
     """The top-k rows do not fit the samples they travel with (lengths, k, the step)."""
-
-
-def needs_topk(job: JobConfig) -> bool:
-    return job.needs_teacher_topk
 
 
 @dataclass(frozen=True)
@@ -102,28 +97,26 @@ def of_sample(sample: Any) -> TopKRows | None:
 
 _step_lock = threading.Lock()
 _step_rows: list[TopKRows | None] | None = None
-_step_lengths: list[int] = []
 
 
 def record_step(samples: Sequence[Any]) -> None:
     """Called by the rollout log hook with the step's flattened samples (the list slime
     converts next): keeps their rows for the DP split, and installs the split's wrapper."""
-    global _step_rows, _step_lengths
+    global _step_rows
     rows = [of_sample(s) for s in samples]
     with _step_lock:
         if not any(r is not None for r in rows):
-            _step_rows, _step_lengths = None, []
+            _step_rows = None
             return
         install_rollout_side()
         _step_rows = rows
-        _step_lengths = [int(s.response_length) for s in samples]
 
 
 def add_rank_rows(rollout_data: dict[str, Any]) -> None:
     """The DP rank's rows, by its partition, under BATCH_KEYS (a no-op for a step without
     top-k)."""
     with _step_lock:
-        rows, lengths = _step_rows, _step_lengths
+        rows = _step_rows
     if rows is None or "partition" not in rollout_data:
         return
     ids, logprobs = [], []
@@ -138,7 +131,7 @@ def add_rank_rows(rollout_data: dict[str, Any]) -> None:
         if row is None:
             raise TopKError(f"sample {index} of the step carries no teacher top-k")
         length = int(rollout_data["response_lengths"][position])
-        if length != lengths[index] or row.ids.shape[0] != length:
+        if row.ids.shape[0] != length:
             raise TopKError(
                 f"sample {index}: {row.ids.shape[0]} top-k rows for a response of {length}"
             )
