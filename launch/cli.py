@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from launch.config import ConfigError, JobConfig, config_to_yaml, load_config
 from launch.dashboard import (
@@ -167,12 +168,20 @@ def launch(
             "the snapshot sync), last started first; under Slurm, scancel the job instead.",
         ),
     ] = False,
+    detach: Annotated[
+        bool,
+        typer.Option(
+            "--detach",
+            help="Return once the job is submitted, leaving its daemons running (stop them "
+            "with --stop). By default the launch follows the job and stops them when it ends.",
+        ),
+    ] = False,
 ) -> None:
     """Start a cluster job: the teacher service on its node, Ray on the training and
     sandbox nodes, the HF -> Megatron conversion when needed, and `ray job submit` of
     slime's train.py with our hooks. Nodes are reached per cluster.executor. A launch first
-    stops what an earlier launch of the same run left, and stops what it started when a
-    step fails."""
+    stops what an earlier launch of the same run left; it stops what it started when a
+    step fails, when a daemon the job needs ends, on Ctrl-C, and when the job ends."""
     from launch.checks import launch_problems
     from launch.executor import Executor, LaunchError
     from launch.plan import build_plan, hosts_from_config, render_dry_run, render_sbatch
@@ -197,7 +206,7 @@ def launch(
                 f"wrote {sbatch}; submit it with: sbatch {sbatch} ({where})", highlight=False
             )
             return
-        steps = build_plan(config, hosts_from_config(config))
+        steps = build_plan(config, hosts_from_config(config), wait_for_job=not detach)
         if stop:
             reporter = Executor(config, report=lambda line: console.print(line, highlight=False))
             stopped = reporter.stop(steps)
@@ -206,14 +215,25 @@ def launch(
         if dry_run:  # plain text: rich would wrap the long commands
             typer.echo(render_dry_run(steps, f"{config.logging.run_dir}/logs"), nl=False)
             return
-        Executor(config, report=lambda line: console.print(line, highlight=False)).run(steps)
+        executor = Executor(
+            config, report=lambda line: console.print(line, highlight=False, soft_wrap=True)
+        )
+        executor.run(steps, until_done=not detach)
     except ConfigError as err:
         err_console.print(f"[red]cannot launch[/red] {err}", highlight=False)
         raise typer.Exit(code=2) from None
     except LaunchError as err:
-        err_console.print(f"[red]launch failed[/red] {err}", highlight=False, markup=False)
+        # one line per line of the message (not wrapped at 80 columns in a log file)
+        err_console.print(f"[red]launch failed[/red] {escape(str(err))}", soft_wrap=True)
         raise typer.Exit(code=1) from None
-    console.print("[green]submitted[/green]; follow it with `ray job logs` on the head node")
+    if detach:
+        console.print(
+            "[green]submitted[/green]; follow it with `ray job logs` on the head node, stop "
+            f"its daemons with `opd launch {path} --stop`",
+            highlight=False,
+        )
+    else:
+        console.print(f"[green]the job ended[/green]; its output: {config.logging.run_dir}/logs")
 
 
 @app.command("dashboard")

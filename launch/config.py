@@ -185,7 +185,8 @@ class TeacherConfig(Section):
     backend: Literal["hf", "sglang"] = "hf"
     """Scoring backend of the embedded server."""
     url: str | None = None
-    """Base URL of a remote teacher service, e.g. http://teacher-node:8000."""
+    """Base URL of a remote teacher service, e.g. http://teacher-node:8000; with `node` set,
+    http://<node>:<port> when not given."""
     api_key_env: str | None = None
     """Name of the environment variable holding the teacher service's API key."""
     top_k: int = Field(default=0, ge=0)
@@ -256,8 +257,14 @@ class TeacherConfig(Section):
 
     @model_validator(mode="after")
     def _kind_has_its_fields(self) -> TeacherConfig:
+        if self.kind == "remote" and not self.url and self.node:
+            # the service `opd launch` starts on `node` (written without re-validation)
+            self.__dict__["url"] = f"http://{self.node}:{self.port}"
         if self.kind == "remote" and not self.url:
-            raise ValueError("kind 'remote' needs url (the opd-teacher service's base URL)")
+            raise ValueError(
+                "kind 'remote' needs url (the opd-teacher service's base URL) or node (the "
+                "host `opd launch` starts it on)"
+            )
         if self.hint == "critic" and not self.critic_url:
             raise ValueError("hint 'critic' needs critic_url (an OpenAI-compatible endpoint)")
         if self.kind == "embedded" and not self.model:

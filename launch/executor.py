@@ -10,13 +10,20 @@ run_dir/logs/<step>.pid ("PID START", START as `ps -o lstart=` prints it) on the
 its pid file is still the one it started (a reused pid is left alone): SIGTERM, up to
 STOP_GRACE_S for it to exit (`ray start --block` stops the node's Ray on SIGTERM), then
 SIGKILL. `run` stops what an earlier launch of the same run left before it starts, and
-what it started itself when a step fails.
+what it started itself when a step fails or is interrupted (Ctrl-C), or, with
+`until_done`, when the last step (the job, submitted and followed) ends.
+
+While a step runs, the daemons started before it are checked every `watch_s` seconds: one
+that ended (its host lost, its process killed) fails the step at once, instead of leaving
+it to time out on a dead service. A foreground step's output goes to
+run_dir/logs/<step>.log here, where the launch runs.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -31,6 +38,16 @@ from launch.plan import Step, slug
 Report = Callable[[str], None]
 STOP_GRACE_S = 30
 """How long a daemon gets to exit on SIGTERM before SIGKILL."""
+WATCH_S = 15.0
+"""How often the daemons are checked while a step runs."""
+FORGET_SSH = "unset SSH_CLIENT SSH2_CLIENT"
+"""Run before a daemon starts: with these set, every `bash -c` the daemon's processes run
+(Ray starts each worker through one) takes itself for an ssh session and reads ~/.bashrc,
+and a ~/.bashrc that activates an environment (pyenv, conda) puts its python3 before the
+one `ray start` ran with: the Ray job then runs without this package."""
+GONE = 3
+"""The exit status of the remote pid-file scripts when the process is not (any longer) the
+one started."""
 
 
 class LaunchError(RuntimeError):
@@ -42,13 +59,16 @@ class Executor:
         self,
         job: JobConfig,
         report: Report = print,
-        step_timeout_s: float = 3600.0,
+        step_timeout_s: float | None = None,
         wait_timeout_s: float = 1800.0,
+        watch_s: float = WATCH_S,
     ) -> None:
         self.job = job
         self.report = report
         self.step_timeout_s = step_timeout_s
+        """None: a step may run as long as its daemons live (the followed job)."""
         self.wait_timeout_s = wait_timeout_s
+        self.watch_s = watch_s
         self.log_dir = f"{job.logging.run_dir}/logs"
 
     def command_for(self, host: str, command: str) -> list[str]:
@@ -61,39 +81,52 @@ class Executor:
             return ["srun", "--nodes=1", "--ntasks=1", "-w", host, *shell, command]
         return [*cluster.ssh_command, host, shlex.join([*shell, command])]
 
-    def run(self, steps: list[Step], teardown_on_failure: bool = True) -> None:
+    def run(
+        self, steps: list[Step], teardown_on_failure: bool = True, until_done: bool = False
+    ) -> None:
         """Every step in order; first the leftovers of an earlier launch of this run are
-        stopped, and when a step fails the daemons this launch started are."""
+        stopped, and when a step fails (or Ctrl-C) the daemons this launch started are.
+        until_done: the last step is the job itself (followed to its end), and the daemons
+        are stopped after it too."""
         self.stop(steps, quiet=True)
         for number, step in enumerate(steps, start=1):
             self.report(f"[{number}/{len(steps)}] {step.name} @ {step.host}")
             started = time.monotonic()
+            daemons = [s for s in steps[: number - 1] if s.kind == "background"]
             try:
-                self._run_step(step)
+                self._run_step(step, [s for s in daemons if not s.ends_itself])
             except LaunchError as err:
                 stopped = ""
                 if teardown_on_failure and any(s.kind == "background" for s in steps[:number]):
                     self.stop(steps[:number])
                     stopped = " The daemons it had started were stopped."
+                rest = (
+                    f" Steps {number + 1}-{len(steps)} were not run." if number < len(steps) else ""
+                )
                 raise LaunchError(
-                    f"step {number}/{len(steps)} '{step.name}' on {step.host} failed: {err}. "
-                    f"Steps {number + 1}-{len(steps)} were not run.{stopped}"
+                    f"step {number}/{len(steps)} '{step.name}' on {step.host} failed: {err}."
+                    f"{rest}{stopped}"
                 ) from None
+            except KeyboardInterrupt:
+                if teardown_on_failure:
+                    self.report("interrupted: stopping the daemons this launch started")
+                    self.stop(steps[:number])
+                raise
             self.report(f"    done in {time.monotonic() - started:.1f} s")
+        if until_done:
+            self.report("the job ended: stopping its daemons")
+            self.stop(steps)
 
     def stop(self, steps: list[Step], quiet: bool = False) -> list[str]:
         """Stop the plan's background steps that are running, last started first; what
         was stopped ("name @ host")."""
         stopped = []
         for step in reversed([s for s in steps if s.kind == "background"]):
-            pid_file = shlex.quote(f"{self.log_dir}/{slug(step.name)}.pid")
-            script = (
-                f'f={pid_file}; [ -f "$f" ] || exit 3; read -r pid start < "$f"; '
-                'if [ -n "$pid" ] && [ "$(ps -o lstart= -p "$pid" 2>/dev/null)" = "$start" ]; '
-                'then kill -TERM "$pid"; '
+            script = self._pid_script(
+                step,
+                'kill -TERM "$pid"; '
                 f'for i in $(seq {STOP_GRACE_S}); do kill -0 "$pid" 2>/dev/null || break; '
-                'sleep 1; done; kill -KILL "$pid" 2>/dev/null; rm -f "$f"; exit 0; fi; '
-                'rm -f "$f"; exit 3'
+                'sleep 1; done; kill -KILL "$pid" 2>/dev/null; rm -f "$f"; exit 0',
             )
             try:
                 done = subprocess.run(
@@ -109,19 +142,54 @@ class Executor:
             if done.returncode == 0:
                 stopped.append(f"{step.name} @ {step.host}")
                 self.report(f"stopped {step.name} @ {step.host}")
-            elif done.returncode != 3 and not quiet:
+            elif done.returncode != GONE and not quiet:
                 tail = (done.stderr or done.stdout).strip()[-500:]
                 self.report(f"    could not stop {step.name} @ {step.host}: {tail}")
         return stopped
 
-    def _run_step(self, step: Step) -> None:
+    def _pid_script(self, step: Step, then: str) -> str:
+        """A remote script: `then` runs when the process in the step's pid file is still
+        the one started (exit GONE otherwise, the stale pid file removed)."""
+        pid_file = shlex.quote(f"{self.log_dir}/{slug(step.name)}.pid")
+        return (
+            f'f={pid_file}; [ -f "$f" ] || exit {GONE}; read -r pid start < "$f"; '
+            'if [ -n "$pid" ] && [ "$(ps -o lstart= -p "$pid" 2>/dev/null)" = "$start" ]; '
+            f'then {then}; fi; rm -f "$f"; exit {GONE}'
+        )
+
+    def ended_daemon(self, daemons: list[Step]) -> Step | None:
+        """The first of `daemons` whose process is gone from its host, if any; a host that
+        does not answer (ssh failed) does not count as gone."""
+        for step in daemons:
+            try:
+                done = subprocess.run(
+                    self.command_for(step.host, self._pid_script(step, "exit 0")),
+                    capture_output=True,
+                    timeout=60,
+                    check=False,
+                )
+            except (subprocess.TimeoutExpired, OSError):
+                continue
+            if done.returncode == GONE:
+                return step
+        return None
+
+    def _check_daemons(self, daemons: list[Step]) -> None:
+        ended = self.ended_daemon(daemons)
+        if ended is not None:
+            raise LaunchError(
+                f"the daemon '{ended.name}' on {ended.host} ended while this step ran "
+                f"(its log: {self.log_dir}/{slug(ended.name)}.log on {ended.host})"
+            )
+
+    def _run_step(self, step: Step, daemons: list[Step]) -> None:
         if step.kind == "write":
             path = Path(step.command)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(step.content)
             return
         if step.kind == "wait_http":
-            self._wait(step.command)
+            self._wait(step.command, daemons)
             return
         if step.kind == "check_tokenizer":
             self._check_tokenizer(step.command)
@@ -132,32 +200,61 @@ class Executor:
             pid_file = shlex.quote(f"{self.log_dir}/{slug(step.name)}.pid")
             # two statements: `a && b &` would background a subshell holding our pipes
             command = (
-                f"mkdir -p {shlex.quote(self.log_dir)} || exit 1; nohup {command} > "
+                f"mkdir -p {shlex.quote(self.log_dir)} || exit 1; {FORGET_SSH}; nohup {command} > "
                 f"{shlex.quote(log)} 2>&1 < /dev/null & "
                 f'echo "$! $(ps -o lstart= -p $!)" > {pid_file}'
             )
-        try:
-            done = subprocess.run(
-                self.command_for(step.host, command),
-                capture_output=True,
-                text=True,
-                timeout=self.step_timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise LaunchError(f"no exit within {self.step_timeout_s:.0f} s") from None
-        except OSError as err:
-            raise LaunchError(
-                f"could not start {self.command_for(step.host, '')[0]}: {err}"
-            ) from None
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip()[-2000:]
-            raise LaunchError(f"exit code {done.returncode}\n{tail}")
+        output = Path(self.log_dir) / f"{slug(step.name)}.log"
+        if step.kind == "background":
+            output = output.with_suffix(".start.log")  # the daemon's own log is on its host
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with output.open("w") as sink:
+            try:
+                process = subprocess.Popen(
+                    self.command_for(step.host, command),
+                    stdin=subprocess.DEVNULL,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # stopped as a group: ssh or srun and its children
+                )
+            except OSError as err:
+                raise LaunchError(
+                    f"could not start {self.command_for(step.host, '')[0]}: {err}"
+                ) from None
+            try:
+                code = self._follow(process, daemons)
+            except BaseException:
+                _stop_group(process)
+                raise
+        if code != 0:
+            tail = output.read_text(errors="replace").strip()[-2000:]
+            raise LaunchError(f"exit code {code} (its output: {output})\n{tail}")
 
-    def _wait(self, url: str) -> None:
+    def _follow(self, process: subprocess.Popen[bytes], daemons: list[Step]) -> int:
+        """The step's exit status; LaunchError when it outlives the step timeout or a
+        daemon ends meanwhile."""
+        started = time.monotonic()
+        next_check = started + self.watch_s
+        while True:
+            try:
+                return process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self.step_timeout_s is not None and now - started > self.step_timeout_s:
+                raise LaunchError(f"no exit within {self.step_timeout_s:.0f} s")
+            if daemons and now >= next_check:
+                self._check_daemons(daemons)
+                next_check = time.monotonic() + self.watch_s
+
+    def _wait(self, url: str, daemons: list[Step]) -> None:
         deadline = time.monotonic() + self.wait_timeout_s
+        next_check = time.monotonic() + self.watch_s
         last = "no answer yet"
         while time.monotonic() < deadline:
+            if daemons and time.monotonic() >= next_check:
+                self._check_daemons(daemons)
+                next_check = time.monotonic() + self.watch_s
             try:
                 response = httpx.get(url, timeout=5.0)
                 if response.status_code == 200:
@@ -186,3 +283,18 @@ class Executor:
         name = self.job.teacher.api_key_env
         key = os.environ.get(name) if name else None
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the step's process group (ssh or srun and what it started here), then
+    SIGKILL after a grace period."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue

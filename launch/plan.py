@@ -60,6 +60,10 @@ class Step:
     gpus: bool = False
     """The step uses its node's GPUs (Ray's GPU nodes, the teacher, the conversion): under
     Slurm it requests them; other steps share the node without them."""
+    ends_itself: bool = False
+    """A background step that finishes on its own (the snapshot sync, after its last
+    step). Every other background step is a daemon the job needs: one that ends while a
+    later step runs stops the launch (and its teardown runs)."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +324,14 @@ def _sync_step(job: JobConfig, host: str, run: str) -> Step:
         else f"the checkpoints of steps {', '.join(map(str, steps))}"
     )
     note = f"reloads the teacher with {which}; exits after step {steps[-1]}"
-    return Step("teacher snapshot sync", host, env + shlex.join(sync), "background", note=note)
+    return Step(
+        "teacher snapshot sync",
+        host,
+        env + shlex.join(sync),
+        "background",
+        note=note,
+        ends_itself=True,
+    )
 
 
 def _submit_note(job: JobConfig) -> str:
@@ -576,7 +587,9 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
     component of a heterogeneous job. Every step runs with `srun --overlap` on its node
     (a step never waits for the node's daemons); daemons (Ray's `ray start --block`,
     SGLang, the teacher service, the snapshot sync) are background steps that live as long
-    as the job, and a trap stops them however the script ends. Nodes' addresses come from
+    as the job, and a trap stops them however the script ends; a daemon that ends while a
+    later step runs (the teacher's node lost, Ray's head killed) fails that step and the
+    job at once, instead of leaving training to time out on it. Nodes' addresses come from
     Slurm (`scontrol show node`: NodeAddr); secrets are passed by name (exported where
     `sbatch` runs, Slurm and srun pass the environment on), never written here."""
     layout, cluster = job.parallel, job.cluster
@@ -620,6 +633,9 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         "# Secrets are read by name from the environment sbatch runs in: "
         + (", ".join(secret_names(job)) or "none"),
         "set -euo pipefail",
+        "# sbatch from an ssh login passes these on: each `bash -c` Ray starts a worker with",
+        "# would then read ~/.bashrc (whose pyenv or conda could shadow this job's python3)",
+        "unset SSH_CLIENT SSH2_CLIENT",
         f"LOGS={shlex.quote(run)}/logs",
         'mkdir -p "$LOGS"',
         f"mapfile -t GPU_NODES < <({names})",
@@ -647,7 +663,7 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
     srun += [shlex.quote(option) for option in cluster.srun_options]
     shell = " ".join(shlex.quote(part) for part in cluster.remote_shell)
     lines += [
-        "DAEMONS=()",
+        "DAEMONS=() NEEDED=() NEEDED_NAMES=()",
         "teardown() {",
         "  local status=$?",
         "  trap - EXIT INT TERM",
@@ -662,11 +678,35 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         "  local group=$1 gpus=$2 host=$3; shift 3",
         f'  {" ".join(srun)} {shell} "$*"',
         "}",
-        "# daemon NAME GROUP GPUS HOST COMMAND: a step left running until the job ends",
+        "# daemon NAME GROUP GPUS HOST COMMAND: a step the job needs, left running until it ends",
         "daemon() {",
         "  local name=$1; shift",
         '  step "$@" > "$LOGS/$name.log" 2>&1 &',
+        '  DAEMONS+=("$!") NEEDED+=("$!") NEEDED_NAMES+=("$name")',
+        "}",
+        "# beside NAME GROUP GPUS HOST COMMAND: a background step that may end by itself",
+        "beside() {",
+        "  local name=$1; shift",
+        '  step "$@" > "$LOGS/$name.log" 2>&1 &',
         '  DAEMONS+=("$!")',
+        "}",
+        "# watched COMMAND: runs COMMAND; a daemon that ends meanwhile fails it (and the job)",
+        "watched() {",
+        '  "$@" &',
+        "  local main=$! i",
+        '  while kill -0 "$main" 2>/dev/null; do',
+        '    for i in "${!NEEDED[@]}"; do',
+        '      if ! kill -0 "${NEEDED[$i]}" 2>/dev/null; then',
+        '        echo "daemon ${NEEDED_NAMES[$i]} ended while the job ran (its log:'
+        ' $LOGS/${NEEDED_NAMES[$i]}.log): stopping the job" >&2',
+        '        kill -TERM "$main" 2>/dev/null || true',
+        '        wait "$main" 2>/dev/null || true',
+        "        return 1",
+        "      fi",
+        "    done",
+        "    sleep 1",
+        "  done",
+        '  wait "$main"',
         "}",
     ]
     for step in steps:
@@ -677,7 +717,7 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
             lines.append(f"cat > {step.command} <<EOF\n{step.content.rstrip()}\nEOF")
             continue
         if step.kind == "wait_http":
-            lines.append(_wait(step.command))
+            lines.append(f"watched {_wait(step.command)}")
             continue
         if step.kind == "check_tokenizer":
             lines.append(f"# `opd launch` compares {step.command}'s tokenizer with the student's")
@@ -685,9 +725,10 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         node, group = group_of[step.host]
         where = f'{group} "{gpus if step.gpus and group == 0 else ""}" "{node}"'
         if step.kind == "background":
-            lines.append(f"daemon {slug(step.name)} {where} {shlex.quote(step.command)}")
+            starter = "beside" if step.ends_itself else "daemon"
+            lines.append(f"{starter} {slug(step.name)} {where} {shlex.quote(step.command)}")
         else:
-            lines.append(f"step {where} {shlex.quote(step.command)}")
+            lines.append(f"watched step {where} {shlex.quote(step.command)}")
     # `ray job submit` returned: the job ended; the trap stops the daemons
     return "\n".join(lines) + "\n"
 

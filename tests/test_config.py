@@ -137,6 +137,15 @@ def test_reference_token_budget_is_exactly_enough(tmp_path: Path) -> None:
     assert config.parallel.max_tokens_per_gpu * config.parallel.cp == 65_536 + 12_288
 
 
+def test_a_remote_teacher_started_on_a_node_is_reached_there_unless_a_url_is_given() -> None:
+    teacher = {"kind": "remote", "model": "/m", "node": "gpu-9", "port": 8123}
+    assert config_from_dict({"teacher": teacher}).teacher.url == "http://gpu-9:8123"
+    given = {**teacher, "url": "http://lb:80"}
+    assert config_from_dict({"teacher": given}).teacher.url == "http://lb:80"
+    round_trip = config_from_dict({"teacher": teacher})
+    assert config_from_dict(round_trip.model_dump(mode="json")) == round_trip
+
+
 def test_moe_layout_validates(tmp_path: Path) -> None:
     data = {"parallel": {"num_nodes": 2, "gpus_per_node": 8, "tp": 2, "ep": 8, "num_experts": 256}}
     config = load_config(_write(tmp_path, data))

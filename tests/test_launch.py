@@ -917,6 +917,54 @@ def test_wait_ray_gives_up_at_its_deadline_with_what_it_saw(
     time.sleep(13)  # past the watchdog's deadline: it was cancelled, this process lives on
 
 
+FAKE_RAY = """
+import os, sys
+MARK = os.environ["FAKE_RAY_MARK"]
+_up = False
+def is_initialized():
+    return _up
+def init(**kwargs):
+    global _up
+    if not os.path.exists(MARK):  # the first driver: ended from "C++", as Ray's core worker does
+        open(MARK, "w").close()
+        sys.stderr.write("Failed to register worker to Raylet\\n")
+        sys.stderr.flush()
+        os._exit(134)
+    _up = True
+def nodes():
+    return [{"Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "Resources": {"CPU": 2.0}}
+            for i in (1, 2)]
+"""
+
+
+@pytest.mark.timeout(120)
+def test_wait_ray_counts_a_driver_that_ray_ends_as_one_failed_attempt(tmp_path: Path) -> None:
+    """Ray's stand-in here only ends its process on the first connect, as the real core
+    worker does when the head dies mid-connect (seen under Slurm); the second attempt
+    finds the nodes."""
+    import socket
+
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray/__init__.py").write_text(FAKE_RAY)
+    with socket.socket() as head:  # the GCS port answers
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        address = f"127.0.0.1:{head.getsockname()[1]}"
+        command = ["--address", address, "--nodes", "2", "--timeout-s", "60"]
+        done = subprocess.run(
+            [sys.executable, "-m", "launch.wait_ray", *command],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=tmp_path,  # the child finds launch/ without the caller's cwd
+            env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}"}
+            | {"FAKE_RAY_MARK": str(tmp_path / "crashed")},
+        )
+    assert (tmp_path / "crashed").exists()
+    assert done.returncode == 0, done.stderr
+    assert "2 nodes alive" in done.stdout and "10.0.0.2: CPU 2, GPU 0" in done.stdout
+
+
 def _daemons_of(marker: str) -> list[str]:
     found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     return found.stdout.split()
@@ -962,4 +1010,41 @@ def test_launch_stops_its_daemons_on_failure_and_an_earlier_launchs_before_start
         bystander.wait()
     finally:
         for pid in _daemons_of(marker):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_that_ends_mid_step_fails_the_launch_at_once_and_the_jobs_end_stops_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A daemon the job needs that ends while a later step runs fails that step within the
+    watch interval (not at the step's end) and the teardown stops the others; a background
+    step that ends by itself (the snapshot sync) is no failure; when the followed job
+    ends, its daemons are stopped."""
+    token = random.randrange(10**6, 10**7)
+    lasting, dying = f"sleep 300.{token}", f"sleep 3.{token}"
+    job = config_from_dict(
+        {
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+            "cluster": {"executor": "local", "remote_shell": ["bash", "-c"]},
+        }
+    )
+    lines: list[str] = []
+    executor = Executor(job, report=lines.append, watch_s=1.0)
+    other = Step("other", "localhost", lasting, "background")
+    sync = Step("sync", "localhost", "true", "background", ends_itself=True)
+    needed = Step("needed", "localhost", dying, "background")
+    try:
+        started = time.monotonic()
+        with pytest.raises(LaunchError) as caught:
+            executor.run([other, sync, needed, Step("train", "localhost", f"sleep 60.{token}")])
+        assert time.monotonic() - started < 40
+        message = str(caught.value)
+        assert "'train' on localhost failed: the daemon 'needed' on localhost ended" in message
+        assert "daemons it had started were stopped" in message
+        assert _daemons_of(lasting) == [] and _daemons_of(f"sleep 60.{token}") == []
+        executor.run([other, Step("train", "localhost", "sleep 2")], until_done=True)
+        assert _daemons_of(lasting) == [] and lines[-1].endswith("stopped other @ localhost")
+    finally:
+        for pid in _daemons_of(str(token)):
             os.kill(int(pid), signal.SIGKILL)

@@ -33,80 +33,9 @@ import pytest
 
 from launch.config import config_from_dict
 from launch.plan import render_sbatch
+from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, standin_slime
 from tests.live_server import free_port
 from tests.slurm_cluster import require_slurm, slurm_cluster
-
-KEY_NAME = "OPD_SLURM_TEST_TEACHER_KEY"
-KEY_VALUE = "k-" + "".join(random.choice("abcdef0123456789") for _ in range(24))
-LEFTOVERS = ("raylet", "gcs_server", "opd-teacher", "dashboard/agent.py", "slime-standin")
-TRAIN_STANDIN = '''"""Stand-in for slime's train.py (tests/test_launch_slurm.py): probes the
-cluster the plan built and writes what it saw next to the job config; trains nothing."""
-import json, os, sys
-from pathlib import Path
-
-import httpx, ray, yaml
-
-job = yaml.safe_load(Path(os.environ["OPD_JOB_CONFIG"]).read_text())
-key_name, url = job["teacher"]["api_key_env"], job["teacher"]["url"]
-ray.init(address="auto", logging_level="ERROR")
-nodes = [
-    {"ip": n["NodeManagerAddress"], "resources": n["Resources"]}
-    for n in ray.nodes() if n["Alive"]
-]
-
-
-@ray.remote(num_gpus=1)
-def on_a_training_node():
-    key = os.environ.get(key_name, "")
-    item = {"input_ids": [1, 2, 3, 4], "span_start": 2}
-    scored = httpx.post(
-        f"{url}/v1/score", json={"requests": [item]},
-        headers={"Authorization": f"Bearer {key}"}, timeout=60,
-    )
-    refused = httpx.post(f"{url}/v1/score", json={"requests": [item]}, timeout=60)
-    return {
-        "ip": ray.util.get_node_ip_address(), "key_set": bool(key),
-        "key_unexpanded": key.startswith("${"), "with_key": scored.status_code,
-        "without_key": refused.status_code,
-    }
-
-
-@ray.remote(resources={"opd_sandbox_host": 1})
-def on_the_sandbox_host():
-    return {"ip": ray.util.get_node_ip_address(), "gpus": ray.get_gpu_ids()}
-
-
-report = {
-    "nodes": nodes,
-    "training": ray.get(on_a_training_node.remote(), timeout=120),
-    "sandbox": ray.get(on_the_sandbox_host.remote(), timeout=120),
-    "argv": sys.argv[1:],
-}
-out = Path(os.environ["OPD_JOB_CONFIG"]).parent / "standin-train.json"
-out.write_text(json.dumps(report))
-print("standin train.py:", json.dumps(report))
-'''
-CONVERT_STANDIN = '''"""Stand-in for slime's tools/convert_hf_to_torch_dist.py: marks --save
-converted."""
-import os, sys
-from pathlib import Path
-
-save = Path(sys.argv[sys.argv.index("--save") + 1])
-if os.environ.get("RANK", "0") == "0":
-    save.mkdir(parents=True, exist_ok=True)
-    (save / "latest_checkpointed_iteration.txt").write_text("release")
-'''
-
-
-def _standin_slime(directory: Path) -> Path:
-    """A checkout of slime whose programs are stand-ins (the cluster.slime_dir)."""
-    slime = directory / "slime-standin"
-    (slime / "tools").mkdir(parents=True)
-    (slime / "scripts/models").mkdir(parents=True)
-    (slime / "train.py").write_text(TRAIN_STANDIN)
-    (slime / "tools/convert_hf_to_torch_dist.py").write_text(CONVERT_STANDIN)
-    (slime / "scripts/models/tiny.sh").write_text("MODEL_ARGS=(--num-layers 2)\n")
-    return slime
 
 
 def _ray_node_args(temp: Path) -> list[str]:
@@ -131,7 +60,7 @@ def _ray_node_args(temp: Path) -> list[str]:
 
 
 def _job(directory: Path, factory_dir: Path, ray_temp: Path) -> Any:
-    slime = _standin_slime(directory)
+    slime = standin_slime(directory)
     run = directory / "run"
     tasks = directory / "tasks.jsonl"
     tasks.write_text("")
@@ -248,20 +177,21 @@ def test_without_ray_start_block_the_cluster_never_forms_and_a_relaunch_needs_no
     tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
 ) -> None:
     """Negative control: `ray start` without --block (the plan before this fix) returns at
-    once, its step ends, and under proctrack/cgroup Slurm kills what it started: the wait
-    for the cluster fails and the job with it; nothing is submitted. Then the plan as
+    once, its step ends (the plan's watch stops the job there), and under proctrack/cgroup
+    Slurm kills what it started: nothing is submitted. Then the plan as
     written, on the same cluster with no cleanup in between, runs the whole job under
     cgroup (the checks of the linuxproc test)."""
     require_slurm("cgroup")
     script, job = _submit_variant(
         tmp_path, factory_dir, request, lambda text: text.replace("ray start --block", "ray start"),
-        ray_wait_s=20,
     )  # fmt: skip
     with slurm_cluster(tmp_path / "slurm", "cgroup") as cluster:
         state = cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=240)
         assert state == "FAILED"
         log = next((tmp_path / "run/logs").glob("slurm-*.out")).read_text()
-        assert "alive after 20 s" in log, log[-3000:]
+        # the plan's watch saw the head's step end (before: a wait for a cluster that never
+        # forms, up to ray_wait_s)
+        assert "daemon ray-head ended while the job ran" in log, log[-3000:]
         assert not (tmp_path / "run/standin-train.json").exists()
         assert cluster.wait_queue_empty(timeout_s=30) == []
         assert cluster.processes_left(LEFTOVERS) == []
@@ -297,5 +227,38 @@ def test_without_overlap_a_step_waits_for_ever_and_scancel_leaves_nothing(
         assert cluster.processes_left(["opd-teacher"]) != []
         cluster.scancel(job_id)
         assert cluster.wait_job(job_id, timeout_s=60) == "CANCELLED"
+        assert cluster.wait_queue_empty(timeout_s=30) == []
+        assert cluster.processes_left(LEFTOVERS) == []
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_teacher_mid_run_stops_the_job_and_leaves_nothing(
+    tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """The teacher service dies while the job trains (the stand-in train.py holds): the
+    plan's watch sees its step end, fails the job at once (not when training would time out
+    on it) and the teardown leaves no Ray, teacher or training process."""
+    require_slurm("linuxproc")
+    script, job = _submit_variant(tmp_path, factory_dir, request, lambda text: text)
+    (tmp_path / "run/hold").write_text("")
+    with slurm_cluster(tmp_path / "slurm", "linuxproc") as cluster:
+        job_id = cluster.sbatch(script, _job_env())
+        deadline = time.monotonic() + 200
+        while not (tmp_path / "run/holding").exists():
+            assert time.monotonic() < deadline and cluster.job_state(job_id) in (
+                "PENDING",
+                "RUNNING",
+            ), cluster.job_state(job_id)
+            time.sleep(1)
+        teacher = cluster.processes_left([f"--port {job.teacher.port}"])
+        assert teacher, "the teacher service is not running"
+        for line in teacher:
+            os.kill(int(line.split()[0]), 9)
+        killed = time.monotonic()
+        assert cluster.wait_job(job_id, timeout_s=90) == "FAILED"
+        assert time.monotonic() - killed < 60  # the stand-in would hold 120 s
+        log = next((tmp_path / "run/logs").glob("slurm-*.out")).read_text()
+        assert "daemon teacher-service ended while the job ran" in log, log[-3000:]
+        assert not (tmp_path / "run/standin-train.json").exists()
         assert cluster.wait_queue_empty(timeout_s=30) == []
         assert cluster.processes_left(LEFTOVERS) == []

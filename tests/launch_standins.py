@@ -1,0 +1,94 @@
+"""Test-only stand-ins shared by the real-cluster launch tests (tests/test_launch_slurm.py,
+tests/test_launch_ssh.py): a checkout of slime whose programs are stand-ins, named as such
+(`cluster.slime_dir`: a train.py that probes the cluster the plan built instead of
+training, a no-op checkpoint converter, a MODEL_ARGS script), and the teacher's key.
+
+The stand-in train.py writes run_dir/standin-train.json: the alive Ray nodes and their
+resources, a Ray task on a GPU node calling the teacher with the key Ray expanded from its
+node's environment (and without it), a task on the sandbox host. With run_dir/hold present
+it first writes run_dir/holding and stays "in training" up to 120 s (kill tests).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+KEY_NAME = "OPD_SLURM_TEST_TEACHER_KEY"
+KEY_VALUE = "k-" + "".join(random.choice("abcdef0123456789") for _ in range(24))
+LEFTOVERS = ("raylet", "gcs_server", "opd-teacher", "dashboard/agent.py", "slime-standin")
+TRAIN_STANDIN = '''"""Stand-in for slime's train.py (tests/launch_standins.py): probes the
+cluster the plan built and writes what it saw next to the job config; trains nothing."""
+import json, os, sys, time
+from pathlib import Path
+
+print("standin train.py in", sys.executable, "PATH", os.environ.get("PATH"), flush=True)
+import httpx, ray, yaml
+
+job = yaml.safe_load(Path(os.environ["OPD_JOB_CONFIG"]).read_text())
+key_name, url = job["teacher"]["api_key_env"], job["teacher"]["url"]
+ray.init(address="auto", logging_level="ERROR")
+nodes = [
+    {"ip": n["NodeManagerAddress"], "resources": n["Resources"]}
+    for n in ray.nodes() if n["Alive"]
+]
+
+
+@ray.remote(num_gpus=1)
+def on_a_training_node():
+    key = os.environ.get(key_name, "")
+    item = {"input_ids": [1, 2, 3, 4], "span_start": 2}
+    scored = httpx.post(
+        f"{url}/v1/score", json={"requests": [item]},
+        headers={"Authorization": f"Bearer {key}"}, timeout=60,
+    )
+    refused = httpx.post(f"{url}/v1/score", json={"requests": [item]}, timeout=60)
+    return {
+        "ip": ray.util.get_node_ip_address(), "key_set": bool(key),
+        "key_unexpanded": key.startswith("${"), "with_key": scored.status_code,
+        "without_key": refused.status_code,
+    }
+
+
+@ray.remote(resources={"opd_sandbox_host": 1})
+def on_the_sandbox_host():
+    return {"ip": ray.util.get_node_ip_address(), "gpus": ray.get_gpu_ids()}
+
+
+run = Path(job["logging"]["run_dir"])
+hold, holding = run / "hold", run / "holding"
+if hold.exists():  # a kill test: stay "in training" until the job is stopped (at most 120 s)
+    holding.write_text("")
+    for _ in range(240):
+        time.sleep(0.5)
+report = {
+    "nodes": nodes,
+    "training": ray.get(on_a_training_node.remote(), timeout=120),
+    "sandbox": ray.get(on_the_sandbox_host.remote(), timeout=120),
+    "argv": sys.argv[1:],
+}
+out = Path(os.environ["OPD_JOB_CONFIG"]).parent / "standin-train.json"
+out.write_text(json.dumps(report))
+print("standin train.py:", json.dumps(report))
+'''
+CONVERT_STANDIN = '''"""Stand-in for slime's tools/convert_hf_to_torch_dist.py: marks --save
+converted."""
+import os, sys
+from pathlib import Path
+
+save = Path(sys.argv[sys.argv.index("--save") + 1])
+if os.environ.get("RANK", "0") == "0":
+    save.mkdir(parents=True, exist_ok=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("release")
+'''
+
+
+def standin_slime(directory: Path) -> Path:
+    """A checkout of slime whose programs are stand-ins (the cluster.slime_dir)."""
+    slime = directory / "slime-standin"
+    (slime / "tools").mkdir(parents=True)
+    (slime / "scripts/models").mkdir(parents=True)
+    (slime / "train.py").write_text(TRAIN_STANDIN)
+    (slime / "tools/convert_hf_to_torch_dist.py").write_text(CONVERT_STANDIN)
+    (slime / "scripts/models/tiny.sh").write_text("MODEL_ARGS=(--num-layers 2)\n")
+    return slime
