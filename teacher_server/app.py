@@ -9,9 +9,10 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
 
+from teacher_server import docs_page
 from teacher_server.api import (
     ErrorBody,
     Health,
@@ -31,7 +32,7 @@ from teacher_server.backend import (
     RequestTooLarge,
     ScoringBackend,
 )
-from teacher_server.guards import RequestGuard, default_max_body_bytes
+from teacher_server.guards import RequestGuard, RequestLog, default_max_body_bytes
 from teacher_server.metrics import ServerMetrics
 
 RETRY_AFTER_S = 1
@@ -59,9 +60,11 @@ def create_app(
     metrics: ServerMetrics,
     api_key: str | None = None,
     max_body_bytes: int | None = None,
+    request_log: bool = False,
 ) -> FastAPI:
     """`max_body_bytes`: larger bodies are answered 413 unread; None derives it from the
-    backend's limits (guards.default_max_body_bytes)."""
+    backend's limits (guards.default_max_body_bytes). `request_log`: one line per request
+    on the `opd-teacher.requests` logger (guards.RequestLog)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,6 +79,8 @@ def create_app(
         version="1",
         description="Teacher log-probs of given token spans, with per-session prefix reuse.",
         lifespan=lifespan,
+        docs_url=None,  # Swagger UI and ReDoc load their assets from a CDN: /docs below
+        redoc_url=None,
     )
 
     def body_limit() -> int:
@@ -83,6 +88,8 @@ def create_app(
         return max_body_bytes or default_max_body_bytes(backend.info())
 
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=body_limit)
+    if request_log:  # outermost: the guard's refusals are logged too
+        app.add_middleware(RequestLog)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -181,6 +188,10 @@ def create_app(
     )
     async def info() -> ServerInfo:
         return backend.info()
+
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    async def docs() -> str:
+        return docs_page.render(app.openapi())
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:

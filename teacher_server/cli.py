@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
+import socket
+import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NoReturn
 
 import typer
 
@@ -20,8 +24,23 @@ app = typer.Typer(
 FACTORY_CACHE = Path(os.environ.get("OPD_CACHE_DIR", Path.home() / ".cache" / "opd")) / "factory"
 
 
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        typer.echo(f"opd-teacher {version('opd')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
     """The standalone teacher log-prob service."""
 
 
@@ -100,8 +119,16 @@ def serve(
         int, typer.Option(help="hf, hybrid models: recurrent-state snapshot interval in tokens.")
     ] = 512,
     seed: Annotated[int, typer.Option(help="Seed of a factory: model.")] = 0,
+    request_log: Annotated[
+        bool,
+        typer.Option(
+            help="One line per request (client, method, path, status, bytes, ms) on stdout."
+        ),
+    ] = True,
 ) -> None:
     """Serve POST /v1/score (see /docs for the API)."""
+    import logging
+
     import uvicorn
 
     from teacher_server.api import SERVICE_KEEP_ALIVE_S
@@ -110,13 +137,25 @@ def serve(
     from teacher_server.metrics import ServerMetrics
 
     chosen = _backend_name(backend)
+    # the port first: a taken port is known before minutes of model loading
+    listener = _listen(host, port)
+    if exposed_without_key(host, api_key):
+        typer.echo(
+            f"opd-teacher: warning: serving on {host} without an API key: anyone who reaches "
+            "this port can use the teacher (set OPD_TEACHER_API_KEY or --api-key)",
+            err=True,
+        )
     metrics = ServerMetrics()
     scoring: ScoringBackend
     if chosen == "hf":
-        from slime_ext.local.factory import materialize
+        from slime_ext.local.preflight import UnsupportedLocalJob
+        from slime_ext.local.run_config import resolve_model
         from teacher_server.hf_backend import HFBackend, LimitsError
 
-        model_dir = materialize(model, FACTORY_CACHE, seed=seed)
+        try:
+            model_dir = resolve_model(model, FACTORY_CACHE, seed)
+        except (FileNotFoundError, UnsupportedLocalJob, KeyError, ValueError) as err:
+            _fail(f"model {model}: {_first_line(err)}")
         try:
             scoring = HFBackend(
                 model_dir,
@@ -135,13 +174,18 @@ def serve(
             )
         except LimitsError as err:
             raise typer.BadParameter(str(err)) from None
+        except (OSError, ValueError) as err:  # not a model transformers can load
+            _fail(f"cannot load model {model_dir}: {_first_line(err)}")
     else:
         from transformers import AutoTokenizer
 
         from teacher_server.backend import tokenizer_identity
         from teacher_server.sglang_backend import SGLangBackend
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError) as err:
+            _fail(f"cannot read the tokenizer of {model}: {_first_line(err)}")
         scoring = SGLangBackend(
             sglang_url,
             tokenizer,
@@ -152,15 +196,21 @@ def serve(
             max_top_k=max_top_k,
             max_queue=max_queue,
         )
+    if request_log:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        requests = logging.getLogger("opd-teacher.requests")
+        requests.addHandler(handler)
+        requests.setLevel(logging.INFO)
+        requests.propagate = False
     typer.echo(f"opd-teacher: {chosen} backend, model {model}, http://{host}:{port}")
     max_body_bytes = None if max_body_mb is None else int(max_body_mb * 2**20)
-    uvicorn.run(
-        create_app(scoring, metrics, api_key, max_body_bytes),
-        host=host,
-        port=port,
+    config = uvicorn.Config(
+        create_app(scoring, metrics, api_key, max_body_bytes, request_log=request_log),
         log_level="warning",
         timeout_keep_alive=int(SERVICE_KEEP_ALIVE_S),
     )
+    uvicorn.Server(config).run(sockets=[listener])
 
 
 @app.command()
@@ -246,6 +296,46 @@ def sync(
     except SyncError as err:
         typer.echo(f"opd-teacher sync: failed: {err}", err=True)
         raise typer.Exit(code=1) from None
+
+
+def exposed_without_key(host: str, api_key: str | None) -> bool:
+    """Whether serving on `host` without a key lets other machines use the teacher."""
+    if api_key:
+        return False
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable
+        return True
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it), or a one-line exit (code 2)
+    saying why not."""
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, protocol)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)  # not listening yet: a client is refused until the model is up
+    except OSError as err:
+        taken = err.errno == errno.EADDRINUSE
+        hint = " (another server holds it: stop it or pick --port)" if taken else ""
+        _fail(f"cannot listen on {host}:{port}: {err.strerror or err}{hint}")
+    listener.set_inheritable(True)
+    return listener
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"opd-teacher: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
 
 
 def _backend_name(name: str) -> Literal["hf", "sglang"]:

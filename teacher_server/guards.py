@@ -7,7 +7,9 @@ in memory and parse time before being refused.
 
 from __future__ import annotations
 
+import logging
 import secrets
+import time
 from collections.abc import Callable
 
 from fastapi.security.utils import get_authorization_scheme_param
@@ -104,3 +106,54 @@ def _too_large(size: str, limit: int) -> JSONResponse:
         },
         status_code=413,
     )
+
+
+REQUEST_LOG = logging.getLogger("opd-teacher.requests")
+
+
+class RequestLog:
+    """One line per request once its answer is sent: client, method, path, status, body
+    bytes in and out, milliseconds; a request the client left before its answer is logged
+    with status '-'. Health checks are left out (load balancers ask every few seconds)."""
+
+    QUIET_PATHS = ("/health",)
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.QUIET_PATHS:
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status: int | None = None
+        sent = received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            return message
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            REQUEST_LOG.info(
+                "%s %s %s %s %d B in, %d B out, %.0f ms",
+                client[0],
+                scope["method"],
+                scope["path"],
+                "-" if status is None else status,
+                received,
+                sent,
+                (time.perf_counter() - started) * 1000,
+            )
