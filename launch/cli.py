@@ -49,7 +49,9 @@ def _load_or_exit(path: Path, overrides: list[str] | None) -> JobConfig:
     try:
         return load_config(path, overrides)
     except ConfigError as err:
-        err_console.print(f"[red]invalid config[/red] {err}", highlight=False)
+        err_console.print(
+            f"[red]invalid config[/red] {escape(str(err))}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(code=2) from None
 
 

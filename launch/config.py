@@ -477,10 +477,24 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        raise ConfigError(_yaml_problem(path, err)) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return config_from_dict(apply_overrides(data, overrides or []), source=str(path))
+
+
+def _yaml_problem(path: Path, err: yaml.YAMLError) -> str:
+    """'FILE:LINE:COLUMN: not valid YAML: what' (PyYAML names the file '<unicode string>')."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(err, "problem", None) or str(err)
+    context = getattr(err, "context", None)
+    text = f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+    if "'\\t'" in problem:
+        text += "; YAML indents with spaces, not tabs"
+    return text
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

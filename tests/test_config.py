@@ -200,8 +200,18 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         load_config(tmp_path / "absent.yaml")
     broken = tmp_path / "broken.yaml"
     broken.write_text("rollout: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as caught:
         load_config(broken)
+    assert str(caught.value).startswith(f"{broken}:2:1: not valid YAML: expected ','")
+    assert "<unicode string>" not in str(caught.value)
+    tabbed = tmp_path / "tabbed.yaml"
+    tabbed.write_text("rollout:\n\tmax_turns: 3\n")
+    with pytest.raises(ConfigError, match=f"^{tabbed}:2:1: .*spaces, not tabs$"):
+        load_config(tabbed)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(binary)
     listed = tmp_path / "list.yaml"
     listed.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
