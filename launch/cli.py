@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from launch.cli_help import hide_flag_types
 from launch.config import ConfigError, JobConfig, config_to_yaml, load_config
 from launch.dashboard import (
     DEFAULT_NAME,
@@ -20,6 +21,7 @@ from launch.dashboard import (
 from launch.eval_cli import compare, eval_app, sweep_app
 from launch.ssd_cli import ssd_app
 
+hide_flag_types()
 console = Console()
 err_console = Console(stderr=True)
 
@@ -29,6 +31,28 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        typer.echo(f"opd {version('opd')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Per-turn on-policy distillation for code and math agents."""
+
+
 config_app = typer.Typer(help="Check and inspect job configs (YAML).", no_args_is_help=True)
 factory_app = typer.Typer(help="Small local models for tests and demos.", no_args_is_help=True)
 app.add_typer(config_app, name="config")

@@ -12,8 +12,10 @@ from typing import Annotated, Literal, NoReturn
 
 import typer
 
+from launch.cli_help import hide_flag_types
 from teacher_server.api import DEFAULT_MAX_TOP_K
 
+hide_flag_types()
 app = typer.Typer(
     name="opd-teacher",
     help="The standalone teacher log-prob service.",

@@ -1,0 +1,21 @@
+"""How our commands' --help reads: shared by `opd` and `opd-teacher`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typer.core import TyperOption
+
+
+def hide_flag_types() -> None:
+    """typer (0.2x with click 8.2+) prints a type beside every option, so a flag that takes
+    no value reads `--dry-run <bool>` as if it wanted one; flags get no type column."""
+    original = TyperOption.display_type_rich
+    if getattr(original, "hides_flag_types", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else original(self, ctx)
+
+    display_type_rich.hides_flag_types = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
