@@ -420,7 +420,8 @@ class JobConfig(Section):
                 "algorithm.oprd_failure_loss 'teacher_topk' needs the teacher's top-k: set "
                 "teacher.top_k > 0 (or use shared_support with the in-process teacher)"
             )
-        if self.teacher.kind == "self" and "model" not in self.teacher.model_fields_set:
+        unset = "model" not in self.teacher.model_fields_set or self.teacher.model is None
+        if self.teacher.kind == "self" and unset:
             self.teacher.model = self.model.student  # the frozen snapshot's checkpoint
         if (
             recipe == "opsd"
@@ -469,11 +470,26 @@ class JobConfig(Section):
         return algorithm.recipe == "oprd" and algorithm.oprd_failure_loss == "teacher_topk"
 
 
+EXTENDS = "extends"
+"""A config's key naming the config it builds on (a path relative to it)."""
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
-    """Read a YAML job file, apply `section.key=value` overrides, and validate."""
+    """Read a YAML job file (with what it `extends`), apply `section.key=value` overrides,
+    and validate."""
     path = Path(path)
+    data = read_config_data(path)
+    return config_from_dict(apply_overrides(data, overrides or []), source=str(path))
+
+
+def read_config_data(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The file's mapping on top of the one it extends: `extends: base.yaml` (relative to
+    the file) takes the base's keys, then this file's, section by section and key by key
+    (a list or a value replaces the base's; `null` sets the key to null); a base may extend
+    another."""
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
+        via = f" (extended by {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"{path}: no such config file{via}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -482,7 +498,27 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
         raise ConfigError(f"{path}: cannot read: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return config_from_dict(apply_overrides(data, overrides or []), source=str(path))
+    base = data.pop(EXTENDS, None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: {EXTENDS}: the path of the config this one builds on")
+    base_path = (path.parent / base).resolve()
+    chain = (*_chain, path.resolve())
+    if base_path in chain:
+        loop = " -> ".join(str(p) for p in (*chain, base_path))
+        raise ConfigError(f"{path}: {EXTENDS} makes a loop: {loop}")
+    return _merged(read_config_data(base_path, chain), data)
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _yaml_problem(path: Path, err: yaml.YAMLError) -> str:

@@ -21,6 +21,7 @@ EXAMPLES = sorted(
     Path(str(p)) for p in resources.files("launch.configs").iterdir() if p.name.endswith(".yaml")
 )
 runner = CliRunner()
+ROOT_CONFIGS = Path(__file__).resolve().parent.parent / "launch/configs"
 
 
 def _write(tmp_path: Path, data: object) -> Path:
@@ -298,3 +299,56 @@ def test_validate_refuses_what_opd_train_refuses_with_the_same_problem(
     assert problems == train.output.split("\n", 1)[1]
     assert problem in problems
     assert not (tmp_path / "run").exists()  # refused before the run directory is made
+
+
+def test_a_config_extends_a_base_key_by_key(tmp_path: Path) -> None:
+    (tmp_path / "bases").mkdir()
+    (tmp_path / "bases/root.yaml").write_text(
+        "rollout: {max_turns: 7, temperature: 0.5}\n"
+        "cluster: {sandbox_hosts: [a, b], env: {X: '1', Y: '2'}}\n"
+        "logging: {wandb_project: root}\n"
+    )
+    (tmp_path / "bases/mid.yaml").write_text(
+        "extends: root.yaml\nrollout: {max_turns: 9}\ncluster: {env: {Y: '3'}}\n"
+    )
+    top = tmp_path / "top.yaml"
+    top.write_text(
+        "extends: bases/mid.yaml\ncluster: {sandbox_hosts: [c]}\nteacher: {api_key_env: null}\n"
+    )
+    job = load_config(top, ["logging.wandb_project=top"])
+    assert (job.rollout.max_turns, job.rollout.temperature) == (9, 0.5)  # key by key
+    assert job.cluster.sandbox_hosts == ["c"]  # a list replaces the base's
+    assert job.cluster.env == {"X": "1", "Y": "3"}
+    assert job.teacher.api_key_env is None and job.logging.wandb_project == "top"
+
+
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [
+        ({"top.yaml": "extends: nope.yaml\n"}, r"nope.yaml: no such config file \(extended by"),
+        ({"top.yaml": "extends: [a.yaml]\n"}, "extends: the path of the config"),
+        (
+            {"top.yaml": "extends: a.yaml\n", "a.yaml": "extends: top.yaml\n"},
+            r"extends makes a loop: .*top.yaml -> .*a.yaml -> .*top.yaml",
+        ),
+        ({"top.yaml": "extends: a.yaml\n", "a.yaml": "rollout: {max_turns: 0}\n"}, "max_turns"),
+    ],
+)
+def test_a_bad_extends_is_explained(tmp_path: Path, files: dict[str, str], problem: str) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=problem):
+        load_config(tmp_path / "top.yaml")
+
+
+def test_the_self_distillation_examples_write_only_what_differs_from_the_opd_run() -> None:
+    base = yaml.safe_load((ROOT_CONFIGS / "swe-opd-cluster.yaml").read_text())
+    for name in ("swe-opsd-35b-a3b.yaml", "swe-oprd-35b-a3b.yaml"):
+        data = yaml.safe_load((ROOT_CONFIGS / name).read_text())
+        assert data.pop("extends") == "swe-opd-cluster.yaml"
+        for section, values in data.items():
+            for key, value in values.items():
+                assert base.get(section, {}).get(key, object()) != value, (name, section, key)
+        job = load_config(ROOT_CONFIGS / name)
+        assert job.teacher.model == job.model.student == "/models/Qwen3.5-35B-A3B"
+        assert job.parallel.tp * job.parallel.cp * job.parallel.dp == 16
