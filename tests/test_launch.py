@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from launch.checks import check_tokenizers, local_tokenizer_identity
 from launch.cli import app
-from launch.config import ConfigError, config_from_dict, load_config
+from launch.config import ConfigError, config_from_dict, load_config, read_config_data
 from launch.executor import Executor, LaunchError
 from launch.plan import Hosts, Step, build_plan, check_cluster, hosts_from_config, render_dry_run
 from launch.slime_flags import given_flags
@@ -160,7 +160,7 @@ def test_opsd_self_teacher_already_running_is_only_waited_for() -> None:
 
 
 def _opsd_job(**sections: Any) -> Any:
-    base: dict[str, Any] = yaml.safe_load(OPSD_EXAMPLE.read_text())
+    base: dict[str, Any] = read_config_data(OPSD_EXAMPLE)
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
     return config_from_dict(base)
@@ -187,12 +187,20 @@ def _opsd_job(**sections: Any) -> Any:
             r"teacher.snapshot_converter: .* needs \{input_dir\} and \{output_dir\}",
         ),
         ({"teacher": {"node": None}}, "set teacher.node .* or teacher.url"),
-        ({"teacher": {"model": None}}, "teacher.model: the checkpoint"),
     ],
 )
 def test_opsd_cluster_checks_say_what_to_fix(sections: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         check_cluster(_opsd_job(**sections))
+
+
+def test_the_served_checkpoint_is_the_students_for_a_self_teacher_and_must_be_named_else() -> None:
+    job = _opsd_job(teacher={"model": None})  # kind self: the student's own snapshot
+    assert job.teacher.model == job.model.student
+    opd = read_config_data(EXAMPLE)
+    opd["teacher"]["model"] = None
+    with pytest.raises(ConfigError, match=r"teacher\.model: the checkpoint `opd launch` serves"):
+        check_cluster(config_from_dict(opd))
 
 
 def test_opsd_refresh_plan_syncs_the_teacher_from_slimes_checkpoints() -> None:
@@ -267,7 +275,7 @@ def test_opsd_cluster_accepts_the_students_own_hint() -> None:
 
 
 def _oprd_job(**sections: Any) -> Any:
-    base: dict[str, Any] = yaml.safe_load(OPRD_EXAMPLE.read_text())
+    base: dict[str, Any] = read_config_data(OPRD_EXAMPLE)
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
     return config_from_dict(base)
