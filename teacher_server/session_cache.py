@@ -120,6 +120,12 @@ class SessionLease:
         self.kept = state
 
 
+ENDED_MEMORY = 4096
+"""Dropped session ids remembered (about 100 bytes each, 0.4 MB in all): many times the
+trajectories a job has in flight (rollout.concurrency, 256 in the reference runs), whose
+late requests come seconds after their DELETE."""
+
+
 class SessionCache:
     """session id -> SessionState, least recently used evicted first past the budget.
 
@@ -127,8 +133,13 @@ class SessionCache:
     and has the state out of the table while it computes (`checkout`), so a failed request
     loses the session's cache instead of leaving it half-updated. A drop (DELETE) or a
     clear (reload) wins over every request admitted before it, queued or computing: none of
-    them puts a state back. Per-session bookkeeping (a lock, a holder count) exists only
-    while the session has requests in flight, so nothing outlives a session. Every
+    them puts a state back, and nor does a request admitted after it: the last
+    ENDED_MEMORY dropped ids are remembered, so a request the client cancelled before the
+    server accepted it (sent, then the trajectory ended and DELETEd its session) cannot
+    bring a session back to hold memory until eviction. Such a request is still answered;
+    an id reused after its drop only goes uncached. Per-session bookkeeping (a lock, a
+    holder count) exists only while the session has requests in flight, so nothing
+    outlives a session. Every
     operation is O(1) in the number of sessions and holds `_guard` for its table work (the
     scoring thread writes while /metrics and DELETE read).
     """
@@ -140,6 +151,8 @@ class SessionCache:
         self._guard = threading.Lock()
         self._bytes = 0
         """Sum of the sizes in `_states`, kept with it under `_guard`."""
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        """The last ENDED_MEMORY dropped session ids, oldest first."""
         self.evictions = 0
 
     def admit(self, session_id: str) -> SessionTicket:
@@ -173,8 +186,8 @@ class SessionCache:
     def _store(self, ticket: SessionTicket, state: SessionState) -> None:
         size = state.nbytes
         with self._guard:
-            if not self._current(ticket):
-                return  # dropped while it computed: the drop wins
+            if not self._current(ticket) or ticket.session_id in self._ended:
+                return  # dropped while it computed or before it came: the drop wins
             self._pop(ticket.session_id)
             self._states[ticket.session_id] = (state, size)
             self._bytes += size
@@ -190,6 +203,10 @@ class SessionCache:
             record = self._in_flight.get(session_id)
             if record is not None:
                 record.generation += 1
+            self._ended[session_id] = None
+            self._ended.move_to_end(session_id)
+            while len(self._ended) > ENDED_MEMORY:
+                self._ended.popitem(last=False)
             return self._pop(session_id) is not None or record is not None
 
     def clear(self) -> int:

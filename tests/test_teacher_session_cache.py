@@ -140,7 +140,10 @@ def test_a_delete_while_the_session_is_scored_wins(teacher: Teacher) -> None:
     sessions = teacher.backend.scorer.sessions
     assert "held" not in sessions and sessions.in_flight == 0
     assert _score(teacher.url, item).cached_tokens == 0  # nothing was put back
-    assert _score(teacher.url, item).cached_tokens == 29  # a request after the DELETE stores
+    assert _score(teacher.url, item).cached_tokens == 0  # nor by a request after the DELETE
+    fresh = item.model_copy(update={"session_id": "fresh"})
+    assert _score(teacher.url, fresh).cached_tokens == 0
+    assert _score(teacher.url, fresh).cached_tokens == 29  # another session caches as ever
 
 
 def test_a_delete_while_the_request_is_queued_wins(teacher: Teacher) -> None:
@@ -201,17 +204,17 @@ def test_a_drop_or_clear_wins_over_every_request_admitted_before_it(model_dir: P
     sessions = SessionCache(budget_bytes=2**30)
     early = sessions.admit("s")
     assert sessions.drop("s") is True  # nothing cached, but a request in flight
-    late = sessions.admit("s")
-    with sessions.checkout(late) as lease:
-        assert lease.state is None
-        lease.keep(kept := _state(config))
     with sessions.checkout(early) as lease:
-        assert lease.state is None  # not the state of the session that came after the drop
+        assert lease.state is None
         lease.keep(_state(config))
-    assert "s" in sessions
-    for ticket in (early, late):
-        sessions.release(ticket)
-    reloading = sessions.admit("s")
+    sessions.release(early)
+    assert "s" not in sessions
+    kept = _state(config)
+    first = sessions.admit("r")
+    with sessions.checkout(first) as lease:
+        lease.keep(kept)
+    sessions.release(first)
+    reloading = sessions.admit("r")
     with sessions.checkout(reloading) as lease:
         assert lease.state is kept
         assert sessions.clear() == 0  # a reload while it computes (its state is out)
@@ -222,6 +225,33 @@ def test_a_drop_or_clear_wins_over_every_request_admitted_before_it(model_dir: P
     with sessions.checkout(abandoned) as lease:
         lease.keep(_state(config))
     assert len(sessions) == 0 and sessions.total_bytes == 0 and sessions.in_flight == 0
+
+
+def test_a_request_that_arrives_after_its_sessions_delete_does_not_bring_it_back(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client cancelled it before the server accepted it, then the trajectory ended
+    and DELETEd the session: the late request is answered, its state not kept. Only the
+    last ENDED_MEMORY ids are remembered."""
+    from teacher_server import session_cache
+
+    config = AutoConfig.from_pretrained(model_dir)
+    sessions = SessionCache(budget_bytes=2**30)
+    assert sessions.drop("gone") is False  # nothing there yet: still remembered
+    late = sessions.admit("gone")
+    with sessions.checkout(late) as lease:
+        assert lease.state is None
+        lease.keep(_state(config))
+    sessions.release(late)
+    assert "gone" not in sessions and sessions.total_bytes == 0
+    monkeypatch.setattr(session_cache, "ENDED_MEMORY", 3)
+    for name in ("a", "b", "c", "d"):
+        sessions.drop(name)
+    again = sessions.admit("gone")  # forgotten by now: cached like a new session
+    with sessions.checkout(again) as lease:
+        lease.keep(_state(config))
+    sessions.release(again)
+    assert "gone" in sessions
 
 
 @pytest.mark.timeout(300)
