@@ -32,6 +32,11 @@ Limits of this backend, stated plainly:
   runs on (past a 0.5 s grace) is a SandboxDiedError. When docker notices a cut
   connection first (the command wrote to it), it records exit 126, which cannot be told
   from the command's own `exit 126`.
+- Hostile input is the caller's or the command's failure, never the sandbox's: a command,
+  cwd or environment no process can be given (a NUL byte, text that is not UTF-8, an
+  empty or `=`-holding variable name, more than the kernel takes as arguments) is exit
+  code 126 without an exec; a path the daemon cannot name or resolve is a
+  SandboxFileError; `timeout_s` not positive and finite is a ValueError.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import posixpath
 import re
 import secrets
@@ -70,8 +76,10 @@ from sandbox.base import (
     SandboxUnavailableError,
     StartsAndCloses,
 )
+from sandbox.files import PATH_MAX
 from sandbox.files import _components as workdir_components
 from sandbox.jail import limit_from_exit
+from sandbox.local import _cannot_execute, _unpassable
 from sandbox.output import HeadTailBuffer
 
 logger = logging.getLogger(__name__)
@@ -98,6 +106,15 @@ _READ_BYTES = 64 * 1024
 # command still runs was cut. The grace is for a daemon that records the exit late.
 _EXIT_RECORD_GRACE_S = 0.5
 _DOCKER_FAILURES = (docker.errors.DockerException, requests.exceptions.RequestException)
+MAX_ARG_STRLEN = 32 * 4096
+"""Linux's limit on one argument or environment string, its terminating NUL included."""
+NAME_MAX = 255
+"""Linux's limit on one component of a path, in bytes."""
+# What runc prints when execve refuses the arguments and environment as too long: an OCI
+# error (exit 126), or the container's init's own line once it started (exit 1; runc 1.1).
+_ARGUMENTS_TOO_LONG = re.compile(
+    r"OCI runtime exec failed: .*argument list too long|^exec [^\n]*: argument list too long\n?$"
+)
 
 # Kills every process this user ($2) may signal except init (pid 1), the main process ($1)
 # and itself. kill -1 is atomic against forks; the loop catches what it cannot reach (a
@@ -191,6 +208,42 @@ def docker_client(
     if base_url is None:
         return docker.from_env(timeout=timeout_s, max_pool_size=pool)
     return docker.DockerClient(base_url=base_url, timeout=timeout_s, max_pool_size=pool)
+
+
+def unpassable_remotely(cmd: str, cwd: str | None, env: dict[str, str] | None) -> str | None:
+    """Why `cmd`, `cwd` or `env` cannot reach a process in a container or VM, or None: the
+    local sandbox's reasons, and more, since the API carries UTF-8 text (a surrogate
+    escape's byte is lost on the way), runc refuses an empty variable name, and the
+    kernel any one string of MAX_ARG_STRLEN or more."""
+    if (problem := _unpassable(cmd, cwd, env)) is not None:
+        return problem
+    if env is not None and "" in env:
+        return "an environment variable has an empty name"
+    texts = [("the command", cmd), ("cwd", cwd or "")]
+    texts += [("an environment variable", f"{name}={value}") for name, value in (env or {}).items()]
+    for what, text in texts:
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError as exc:
+            return f"{what} is not UTF-8 text ({exc.reason})"
+        if size >= MAX_ARG_STRLEN:
+            return f"{what} is longer than the kernel takes as one string ({size:,} bytes)"
+    return None
+
+
+def remote_path_parts(workdir: str, path: str) -> list[str]:
+    """`path` as components below `workdir` (the local sandbox's rules), refusing what an
+    API that carries UTF-8 text cannot name and what no Linux file system takes."""
+    parts = workdir_components(Path(workdir), path)
+    try:
+        full = posixpath.join(workdir, *parts).encode()
+    except UnicodeEncodeError as exc:
+        raise SandboxFileError(f"path {path!r} is not UTF-8 text ({exc.reason})") from None
+    if len(full) >= PATH_MAX:
+        raise SandboxFileError(f"path {path[:64]!r}... is longer than {PATH_MAX - 1} bytes")
+    if any(len(part.encode()) > NAME_MAX for part in parts):
+        raise SandboxFileError(f"path {path[:64]!r}... has a name over {NAME_MAX} bytes")
+    return parts
 
 
 def reap(labels: Mapping[str, str] | None = None, client: docker.DockerClient | None = None) -> int:
@@ -545,15 +598,19 @@ class DockerSandbox(StartsAndCloses):
         env: dict[str, str] | None = None,
     ) -> ExecResult:
         """Run `cmd` with the shell in the working directory (or `cwd`, relative to it)."""
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
         await self.start()
         started = time.monotonic()
+        if (problem := unpassable_remotely(cmd, cwd, env)) is not None:
+            return _cannot_execute(problem, started)
         argv = [self.config.shell, "-c", cmd]
         if cwd is not None:
-            # cd inside the command, so a missing directory is the command's failure.
+            # cd inside the command, so a missing directory is the command's failure; a
+            # lone "-" would be cd's previous directory.
             cd_then_run = 'cd -- "$2" || exit 1; exec "$1" -c "$3"'
-            argv = ["/bin/sh", "-c", cd_then_run, "sh", self.config.shell, cwd, cmd]
+            target = "./-" if cwd == "-" else cwd
+            argv = ["/bin/sh", "-c", cd_then_run, "sh", self.config.shell, target, cmd]
         exec_id = await asyncio.to_thread(
             self._call, "start a command", self._create_exec, argv, env
         )
@@ -677,6 +734,10 @@ class DockerSandbox(StartsAndCloses):
                     "the command's output ended while docker still reported it running: the "
                     "connection to the daemon was cut and the output is incomplete"
                 )
+        if exit_code in (1, 126) and _ARGUMENTS_TOO_LONG.search(stdout + stderr):
+            return _cannot_execute(
+                "the command and its environment are longer than the kernel takes", started
+            )
         if exit_code in (126, 127) and "OCI runtime exec failed" in stdout + stderr:
             message = f"docker could not run the command: {(stdout + stderr).strip()}"
             if "resource temporarily unavailable" in message.lower():
@@ -730,7 +791,7 @@ class DockerSandbox(StartsAndCloses):
 
     async def write_file(self, path: str, data: bytes) -> None:
         await self.start()
-        parts = self._parts(path)
+        parts = remote_path_parts(self.config.workdir, path)
         await asyncio.to_thread(self._call, "write a file", self._write, path, parts, data)
 
     def _write(self, path: str, parts: list[str], data: bytes) -> None:
@@ -762,7 +823,7 @@ class DockerSandbox(StartsAndCloses):
 
     async def read_file(self, path: str) -> bytes:
         await self.start()
-        parts = self._parts(path)
+        parts = remote_path_parts(self.config.workdir, path)
         data: bytes = await asyncio.to_thread(self._call, "read a file", self._read, path, parts)
         return data
 
@@ -796,10 +857,6 @@ class DockerSandbox(StartsAndCloses):
                 )
         return file_from_archive(b"".join(chunks), path, max_bytes)
 
-    def _parts(self, path: str) -> list[str]:
-        """`path` as components below the working directory (the local sandbox's rules)."""
-        return workdir_components(Path(self.config.workdir), path)
-
     def _check_parents(self, path: str, parts: list[str], create: bool) -> int:
         """Refuse a parent that is a symlink or not a directory; returns how many of the
         deepest parents are missing (an error unless `create`)."""
@@ -823,6 +880,12 @@ class DockerSandbox(StartsAndCloses):
         response = api.head(url, params={"path": container_path}, timeout=api.timeout)
         if response.status_code == 404:  # callers checked that the container runs
             return None
+        if not response.ok and self._running():
+            # A HEAD answer has no message; the daemon's log says why (e.g. over 255
+            # components, which its scoped path resolution refuses).
+            raise SandboxFileError(
+                f"the Docker daemon cannot resolve {container_path!r} (HTTP {response.status_code})"
+            )
         response.raise_for_status()
         try:
             header = response.headers["X-Docker-Container-Path-Stat"]

@@ -47,6 +47,11 @@ Limits of this backend, stated plainly:
 - Whether envd ends a process when its stream's deadline passes is not documented; the
   command is killed here either way. envd reports a death by signal as exit code -1
   with "signal: NAME" (read here as 128 + N).
+- Hostile input follows DockerSandbox's rules, checked here before it reaches the SDK
+  (which would fail on it as if the sandbox had): a command, cwd or environment no
+  process can be given is exit code 126; a path envd cannot name a SandboxFileError;
+  `timeout_s` not positive and finite a ValueError, and one so long that E2B refuses
+  the lifetime it needs a SandboxResourceError.
 """
 
 from __future__ import annotations
@@ -60,7 +65,6 @@ import shlex
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -77,8 +81,9 @@ from sandbox.base import (
     SandboxUnavailableError,
     StartsAndCloses,
 )
-from sandbox.files import _components as workdir_components
+from sandbox.docker import remote_path_parts, unpassable_remotely
 from sandbox.jail import limit_from_exit
+from sandbox.local import _cannot_execute
 from sandbox.output import HeadTailBuffer
 
 logger = logging.getLogger(__name__)
@@ -494,7 +499,12 @@ class E2BSandbox(StartsAndCloses):
         try:
             await sandbox.set_timeout(lifetime_s, **cfg.api_params())
         except Exception as exc:
-            raise infrastructure_error("extend the sandbox's lifetime", exc) from exc
+            if getattr(exc, "status_code", None) == 400:
+                raise SandboxResourceError(
+                    f"E2B refused to keep the sandbox alive {lifetime_s} s more ({exc}): "
+                    "lower timeout_s to what the account's plan allows (at most 24 h)"
+                ) from exc
+            raise self._infrastructure_error("extend the sandbox's lifetime", exc) from exc
         self._expires_at = now + lifetime_s
 
     # -- commands --------------------------------------------------------------------------
@@ -507,21 +517,27 @@ class E2BSandbox(StartsAndCloses):
         env: dict[str, str] | None = None,
     ) -> ExecResult:
         """Run `cmd` as `user` in the working directory (or `cwd`, relative to it)."""
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
         await self.start()
-        await self.keep_alive(timeout_s)
-        sandbox, cfg = self._started(), self.config
+        command = cmd
         if cwd is not None:
             # cd inside the command (the shell starts in the working directory; same line:
-            # bash's line numbers stay), so a missing directory is the command's failure.
-            cmd = f"cd -- {shlex.quote(cwd)} || exit 1; {cmd}"
+            # bash's line numbers stay), so a missing directory is the command's failure; a
+            # lone "-" would be cd's previous directory.
+            target = "./-" if cwd == "-" else cwd
+            command = f"cd -- {shlex.quote(target)} || exit 1; {cmd}"
+        problem = unpassable_remotely(cmd, cwd, env) or unpassable_remotely(command, None, None)
+        if problem is not None:
+            return _cannot_execute(problem, time.monotonic())
+        await self.keep_alive(timeout_s)
+        sandbox, cfg = self._started(), self.config
         output = _Output(cfg)
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
             handle = await sandbox.commands.run(
-                cmd,
+                command,
                 background=True,
                 envs=env,
                 user=cfg.user,
@@ -533,7 +549,7 @@ class E2BSandbox(StartsAndCloses):
                 retain_output=False,
             )
         except Exception as exc:
-            raise infrastructure_error("start a command", exc) from exc
+            raise self._infrastructure_error("start a command", exc) from exc
         waiter: asyncio.Future[Any] = asyncio.ensure_future(handle.wait())
         try:
             killed_for = await self._await_command(handle, waiter, output, timeout_s)
@@ -587,11 +603,11 @@ class E2BSandbox(StartsAndCloses):
         try:
             await handle.kill()
             if self.config.sweep_on_kill and self.config.user != "root":
-                await self._sandbox.commands.run(
+                await self._started().commands.run(
                     _SWEEP, user=self.config.user, timeout=self.config.kill_grace_s
                 )
         except Exception as exc:
-            raise infrastructure_error("kill a command", exc) from exc
+            raise self._infrastructure_error("kill a command", exc) from exc
         try:
             await asyncio.wait_for(asyncio.shield(waiter), self.config.kill_grace_s)
         except asyncio.TimeoutError:
@@ -629,22 +645,30 @@ class E2BSandbox(StartsAndCloses):
         except CommandExitException as exc:
             return _exit_status(exc.exit_code, exc.error), None
         except (SandboxNotRunningException, SandboxUnreachableException) as exc:
-            raise infrastructure_error("run a command", exc) from exc
+            raise self._infrastructure_error("run a command", exc) from exc
         except TimeoutException as exc:
             # The SDK rounds the deadline to whole milliseconds.
             if elapsed_s < timeout_s - _DEADLINE_ROUNDING_S:  # a request timeout, not ours
-                raise infrastructure_error("run a command", exc) from exc
+                raise self._infrastructure_error("run a command", exc) from exc
             await self._kill(handle, waiter)  # the stream ended, the command may not have
             await self._require_alive()
             return 137, "wall_time"
         except Exception as exc:
-            raise infrastructure_error("run a command", exc) from exc
+            raise self._infrastructure_error("run a command", exc) from exc
         return _exit_status(result.exit_code, result.error), None
 
     async def _require_alive(self) -> None:
         """A killed command's result stands only if the sandbox itself still runs."""
         if not await self.is_alive():
-            raise SandboxDiedError(f"the E2B sandbox {self._sandbox.sandbox_id} stopped")
+            sandbox = self._started()  # SandboxClosedError when close() came meanwhile
+            raise SandboxDiedError(f"the E2B sandbox {sandbox.sandbox_id} stopped")
+
+    def _infrastructure_error(self, action: str, exc: BaseException) -> SandboxError:
+        """`infrastructure_error`, except that a call close() cut short is closed, not
+        dead."""
+        if self._closed:
+            return SandboxClosedError(f"cannot {action}: the sandbox was closed meanwhile")
+        return infrastructure_error(action, exc)
 
     # -- files -----------------------------------------------------------------------------
 
@@ -690,9 +714,8 @@ class E2BSandbox(StartsAndCloses):
         return bytes(data)
 
     def _full_path(self, path: str) -> str:
-        """`path` inside the working directory (the local sandbox's rules)."""
-        parts = workdir_components(Path(self.config.workdir), path)
-        return posixpath.join(self.config.workdir, *parts)
+        """`path` inside the working directory (DockerSandbox's rules)."""
+        return posixpath.join(self.config.workdir, *remote_path_parts(self.config.workdir, path))
 
     async def _stat(self, path: str, full: str, action: str) -> Any:
         """envd's lstat of `full`, None when it does not exist."""
@@ -724,7 +747,7 @@ class E2BSandbox(StartsAndCloses):
             return SandboxFileError(f"cannot {action} {path!r}: No such file or directory")
         if isinstance(exc, InvalidArgumentException | NotEnoughSpaceException):
             return SandboxFileError(f"cannot {action} {path!r}: {exc}")
-        return infrastructure_error(f"{action} {path!r}", exc)
+        return self._infrastructure_error(f"{action} {path!r}", exc)
 
 
 class _Output:
