@@ -155,18 +155,31 @@ def demo(
     out: Annotated[Path, typer.Option(help="Run directory (replaced).")] = Path("runs/demo"),
     steps: Annotated[int, typer.Option(help="OPD steps.")] = 24,
     n_heldout: Annotated[int, typer.Option(help="Held-out problems evaluated.")] = 300,
+    eval_every: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Also evaluate during training, every this many steps, on the first 64 "
+            "held-out problems (logging.eval_problems); 0: only before and after.",
+        ),
+    ] = 0,
 ) -> None:
     """The one-machine OPD demo: evaluate the bundled student, run per-turn OPD against the
-    bundled teacher (served on 127.0.0.1) for a few minutes, evaluate again."""
+    bundled teacher (served on 127.0.0.1) for a few minutes, evaluate again. A line per
+    step, checkpoint and evaluation."""
     from slime_ext.local.opd_demo import run_opd_demo
 
-    run_opd_demo(out, steps=steps, n_heldout=n_heldout, console=console)
+    run_opd_demo(
+        out, steps=steps, n_heldout=n_heldout, console=console, eval_every_steps=eval_every
+    )
 
 
 @app.command("train")
 def train(path: ConfigPath, overrides: Overrides = None) -> None:
     """Run a job config on this machine (recipes opd, opsd, oprd, rl, sft on the TIR harness);
-    resumes from the run directory's checkpoint when there is one."""
+    resumes from the run directory's checkpoint when there is one. Prints a line per step
+    (loss, reverse KL or reward, tokens/s, ETA) and per checkpoint; with `-s
+    logging.eval_every_steps=N`, greedy held-out accuracy every N steps."""
     from slime_ext.local.run_config import UnsupportedLocalJob, run_local_job
 
     config = _load_or_exit(path, overrides)

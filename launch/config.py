@@ -284,7 +284,19 @@ class AlgorithmConfig(Section):
     steps: int = Field(default=20, ge=1)
     """Optimizer steps."""
     lr: float = Field(default=1e-4, gt=0.0)
-    """AdamW learning rate."""
+    """AdamW learning rate: the peak of the schedule (`lr_schedule`)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """The learning rate after warmup: `lr` throughout (constant), or decaying from `lr` to
+    `min_lr` over the steps after warmup, along a half cosine or a straight line; it would
+    reach `min_lr` at step `steps`, so the last step trains just above it. Megatron's
+    OptimizerParamScheduler formula, used on both paths (the cluster's --lr-decay-style)."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup: step s (from 0) trains at lr * s / lr_warmup_steps,
+    so the first trains at 0 (Megatron's --lr-warmup-init); must be below `steps`, as
+    Megatron requires. 0: no warmup."""
+    min_lr: float = Field(default=0.0, ge=0.0)
+    """The floor cosine and linear decay towards (Megatron's --min-lr); at most `lr`. The
+    constant schedule ignores it."""
     weight_decay: float = Field(default=0.0, ge=0.0)
     grad_clip: float = Field(default=1.0, gt=0.0)
     """Global gradient-norm clip."""
@@ -316,6 +328,21 @@ class AlgorithmConfig(Section):
     exact for full-attention models), per_turn (a sequence per turn, context recomputed),
     or auto (packed where exact). The slime path is per turn (see README)."""
 
+    @model_validator(mode="after")
+    def _schedule_fits_training(self) -> AlgorithmConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(
+                f"min_lr ({self.min_lr}) is above lr ({self.lr}): the schedule decays from lr "
+                "down to min_lr; lower min_lr or raise lr"
+            )
+        if self.lr_warmup_steps >= self.steps:
+            raise ValueError(
+                f"lr_warmup_steps ({self.lr_warmup_steps}) must be below steps "
+                f"({self.steps}): warmup would not end before training does (Megatron's "
+                "scheduler refuses it); lower lr_warmup_steps"
+            )
+        return self
+
 
 class LoggingConfig(Section):
     run_dir: Path = Path("runs/default")
@@ -330,6 +357,13 @@ class LoggingConfig(Section):
     save_every_steps: int = Field(default=10, ge=1)
     save_trajectories: bool = True
     """Write every trajectory of every step to run_dir/trajectories/ as JSONL."""
+    eval_every_steps: int = Field(default=0, ge=0)
+    """Local trainer: greedy held-out accuracy of the student after every this many steps,
+    printed and logged with that step's metrics (eval/heldout_accuracy, its 95% interval);
+    0: off."""
+    eval_problems: int = Field(default=64, ge=1)
+    """Held-out problems per periodic evaluation: the first this many of the demo's held-out
+    set (what `opd demo` evaluates before and after training)."""
 
 
 class ClusterConfig(Section):

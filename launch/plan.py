@@ -426,6 +426,7 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     ]  # fmt: skip
     if not pretokenized:  # slime samples nothing for sft / ssd
         args += ["--rollout-top-p", str(rollout.top_p), "--rollout-top-k", str(rollout.top_k)]
+    decaying = algorithm.lr_schedule != "constant"
     args += [
         "--custom-config-path", hooks_yaml,
         "--loss-type", "custom_loss",
@@ -433,8 +434,13 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
         "--custom-rollout-log-function-path", f"{HOOKS}.metrics.log_rollout",
         *(["--custom-megatron-init-path", f"{HOOKS}.topk.init"] if job.needs_teacher_topk else []),
         "--optimizer", "adam",
+        # Megatron's iterations are optimizer steps, one per rollout: --global-batch-size is
+        # the rollout's trajectories (slime steps per global_batch_size rollouts)
         "--lr", str(algorithm.lr),
-        "--lr-decay-style", "constant",
+        "--lr-decay-style", algorithm.lr_schedule,
+        "--lr-warmup-iters", str(algorithm.lr_warmup_steps),
+        "--min-lr", str(algorithm.min_lr),
+        *(["--lr-decay-iters", str(algorithm.steps)] if decaying else []),
         "--weight-decay", str(algorithm.weight_decay),
         "--clip-grad", str(algorithm.grad_clip),
         "--attention-dropout", "0.0",

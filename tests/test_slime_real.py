@@ -582,7 +582,8 @@ MEGATRON_LM_FLAGS = frozenset(
         "--tensor-model-parallel-size", "--context-parallel-size",
         "--pipeline-model-parallel-size", "--expert-model-parallel-size",
         "--expert-tensor-parallel-size", "--sequence-parallel", "--optimizer",
-        "--lr-decay-style", "--weight-decay", "--attention-dropout", "--hidden-dropout",
+        "--lr-decay-style", "--lr-warmup-iters", "--min-lr", "--lr-decay-iters",
+        "--weight-decay", "--attention-dropout", "--hidden-dropout",
         "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
     }
 )  # fmt: skip

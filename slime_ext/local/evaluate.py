@@ -7,10 +7,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout.chat import ChatRenderer
+from rollout.evaluation.stats import wilson_interval
 from rollout.harness.tir import TIRHarness
 from rollout.policy import Policy, SamplingParams
 from rollout.runner import Runner, RunnerConfig
+from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Task, Trajectory
+
+HELDOUT_SEED = 1
+"""The held-out problems `opd demo` scores before and after, and periodic evaluation scores
+during `opd train`: one fixed set, so runs of any seed compare on it."""
+
+
+def heldout_tasks(count: int) -> list[Task]:
+    """The first `count` held-out arithmetic problems (never drawn for training)."""
+    return make_tasks(count, "heldout", seed=HELDOUT_SEED)
 
 
 async def evaluate(
@@ -38,6 +49,21 @@ async def evaluate(
 
 def correct(trajectories: Sequence[Trajectory]) -> list[float]:
     return [1.0 if (t.reward or 0.0) > 0 else 0.0 for t in trajectories]
+
+
+def accuracy_metrics(scores: Sequence[float]) -> dict[str, float]:
+    """The eval/ metrics of one held-out evaluation (`correct` scores): accuracy, its 95%
+    Wilson interval, and the number of problems."""
+    if not scores:
+        raise ValueError("an evaluation needs at least one problem")
+    solved = round(sum(scores))
+    low, high = wilson_interval(solved, len(scores))
+    return {
+        "eval/heldout_accuracy": solved / len(scores),
+        "eval/heldout_accuracy_ci95_low": low,
+        "eval/heldout_accuracy_ci95_high": high,
+        "eval/heldout_problems": float(len(scores)),
+    }
 
 
 def paired_difference(

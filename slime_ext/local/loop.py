@@ -43,7 +43,9 @@ from rollout.reminders import ReminderTeacherContext
 from rollout.runner import Runner, TeacherContext, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
+from slime_ext.local.evaluate import accuracy_metrics, correct, evaluate
 from slime_ext.local.preflight import LOCAL_RECIPES
+from slime_ext.local.progress import TrainingReport
 from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from teacher_server.client import TeacherClient
 from teacher_server.snapshot_sync import refresh_steps
@@ -158,6 +160,10 @@ class LocalRun:
             self.model,
             TrainerConfig(
                 lr=algorithm.lr,
+                lr_schedule=algorithm.lr_schedule,
+                lr_warmup_steps=algorithm.lr_warmup_steps,
+                min_lr=algorithm.min_lr,
+                lr_decay_steps=algorithm.steps,
                 weight_decay=algorithm.weight_decay,
                 grad_clip=algorithm.grad_clip,
                 temperature=rollout.temperature,
@@ -179,6 +185,9 @@ class LocalRun:
         if (checkpoint / "trainer.pt").is_file():
             state = torch.load(checkpoint / "trainer.pt", weights_only=False)
             self.trainer.optimizer.load_state_dict(state["optimizer"])
+            # a checkpoint from before LR schedules took one optimizer step per loop step
+            schedule = state.get("lr_schedule", {"last_epoch": state["step"]})
+            self.trainer.lr_schedule.load_state_dict(schedule)
             self.policy.generator.set_state(state["sampler_rng"])
             self.step = int(state["step"])
             self._truncate_metrics(self.step)
@@ -195,7 +204,8 @@ class LocalRun:
         path.write_text("".join(line + "\n" for line in kept))
 
     def save(self) -> None:
-        """Atomically replace the checkpoint (model, optimizer, sampler RNG, next step)."""
+        """Atomically replace the checkpoint (model, optimizer, LR schedule, sampler RNG,
+        next step)."""
         target = self.run_dir / CHECKPOINT
         staging = self.run_dir / f"{CHECKPOINT}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
@@ -204,6 +214,7 @@ class LocalRun:
         torch.save(
             {
                 "optimizer": self.trainer.optimizer.state_dict(),
+                "lr_schedule": self.trainer.lr_schedule.state_dict(),
                 "step": self.step,
                 "sampler_rng": self.policy.generator.get_state(),
             },
@@ -225,7 +236,11 @@ class LocalRun:
         steps: int | None = None,
         on_step: StepCallback | None = None,
         api_key: str | None = None,
+        heldout: Sequence[Task] | None = None,
     ) -> list[dict[str, float]]:
+        """Train from the checkpoint's step to `steps` (default algorithm.steps), a line
+        printed per step; with logging.eval_every_steps, greedy accuracy on `heldout`
+        every that many steps."""
         job = self.job
         recipe = job.algorithm.recipe
         if recipe not in LOCAL_RECIPES:
@@ -241,6 +256,9 @@ class LocalRun:
         config = runner_config(job)
         (self.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []
+        report = self._start_report(recipe, total, heldout)
+        if not job.logging.eval_every_steps:
+            heldout = None
         async with contextlib.AsyncExitStack() as stack:
             teacher = None
             in_process = teacher_in_process(job)
@@ -276,13 +294,14 @@ class LocalRun:
                 TimeElapsedColumn(),
                 console=self.console,
                 transient=True,
+                disable=not self.console.is_terminal,  # the step lines say it all in a log
             ) as progress:
                 bar = progress.add_task(f"{recipe} steps", total=total, completed=self.step)
                 self_teacher = job.teacher.kind == "self" and (teacher is not None or in_process)
                 if self_teacher:
                     await self._restore_teacher_snapshot(teacher)
                 while self.step < total:
-                    metrics = await self._one_step(runner, tasks, recipe)
+                    metrics = await self._one_step(runner, tasks, recipe, report, heldout)
                     if self_teacher:
                         metrics.update(await self._update_self_teacher(teacher, total))
                     history.append(metrics)
@@ -291,8 +310,53 @@ class LocalRun:
                     progress.update(bar, completed=self.step)
         return history
 
+    def _start_report(
+        self, recipe: str, total: int, heldout: Sequence[Task] | None
+    ) -> TrainingReport:
+        """The run's progress lines, opened by what it will do."""
+        report = TrainingReport(self.console, recipe, self.step, total)
+        rollout, every = self.job.rollout, self.job.logging.eval_every_steps
+        if self.step:
+            report.line(f"resuming {recipe} at step {self.step}/{total} from its checkpoint")
+        report.line(
+            f"training {recipe}: {total} steps of {rollout.tasks_per_step} tasks x "
+            f"{rollout.samples_per_task} samples; metrics, trajectories and checkpoint in "
+            f"{self.run_dir}"
+        )
+        if every and heldout is None:
+            report.line(
+                f"logging.eval_every_steps {every}: no held-out set was given, so no periodic "
+                "evaluation (pass heldout= to LocalRun.train; `opd train` and `opd demo` do)"
+            )
+        elif every and heldout is not None:
+            report.line(f"held-out evaluation every {every} steps on {len(heldout)} problems")
+        return report
+
+    async def _evaluate(self, heldout: Sequence[Task]) -> dict[str, float]:
+        """Greedy accuracy of the student as it is now (the demo's evaluation, within the
+        rollout's turn and token limits)."""
+        rollout = self.job.rollout
+        started = time.perf_counter()
+        trajectories = await evaluate(
+            HFPolicy(self.model, self.tokenizer.eos_token_id),
+            self.tokenizer,
+            heldout,
+            tir_harness(),
+            concurrency=rollout.concurrency,
+            max_turns=rollout.max_turns,
+            max_new_tokens=rollout.max_new_tokens,
+            max_context_tokens=rollout.max_context_tokens,
+        )
+        seconds = time.perf_counter() - started
+        return {**accuracy_metrics(correct(trajectories)), "perf/eval_time": seconds}
+
     async def _one_step(
-        self, runner: Runner, tasks: Sequence[Task], recipe: str
+        self,
+        runner: Runner,
+        tasks: Sequence[Task],
+        recipe: str,
+        report: TrainingReport,
+        heldout: Sequence[Task] | None,
     ) -> dict[str, float]:
         job = self.job
         started = time.perf_counter()
@@ -311,6 +375,8 @@ class LocalRun:
             # OPSD trains like OPD: the teacher differs, not the loss
             loss_recipe = "opd" if recipe == "opsd" else recipe
             metrics = self.trainer.step(trained, loss_recipe)  # type: ignore[arg-type]
+        else:
+            self.trainer.skip()
         metrics.update(rollout_metrics(trajectories))
         metrics.update(
             {
@@ -343,11 +409,18 @@ class LocalRun:
         ):
             if f"train/{key}" in metrics:
                 metrics[f"rollout/{key}"] = metrics[f"train/{key}"]
+        done = self.step + 1
+        report.step(done, metrics)
+        if heldout is not None and done % job.logging.eval_every_steps == 0:
+            evaluation = await self._evaluate(heldout)
+            report.evaluation(done, evaluation, evaluation["perf/eval_time"])
+            metrics.update(evaluation)  # logged with the step after which it was taken
         with (self.run_dir / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps({"step": self.step, **metrics}) + "\n")
-        self.step += 1
+        self.step = done
         if self.step % job.logging.save_every_steps == 0 or self.step == job.algorithm.steps:
             self.save()
+            report.checkpoint(self.run_dir / CHECKPOINT, self.step)
         return metrics
 
     async def _update_self_teacher(

@@ -24,8 +24,15 @@ from transformers.utils import logging as hf_logging
 from launch.config import JobConfig, load_config
 from rollout.policy import HFPolicy
 from rollout.tasks.arithmetic import make_tasks
-from slime_ext.local.evaluate import correct, evaluate, paired_difference
+from slime_ext.local.evaluate import (
+    accuracy_metrics,
+    correct,
+    evaluate,
+    heldout_tasks,
+    paired_difference,
+)
 from slime_ext.local.loop import LocalRun, embedded_teacher, load_metrics, tir_harness
+from slime_ext.local.progress import accuracy_text
 from slime_ext.local.wandb_log import WandbLogger
 
 DEMO_CHECKPOINTS = "demo_checkpoints"
@@ -41,10 +48,15 @@ def bundled_models() -> tuple[Path, Path]:
     return student, teacher
 
 
-def demo_job(run_dir: Path, steps: int) -> JobConfig:
-    """launch/configs/demo.yaml with this run's directory and step count."""
+def demo_job(run_dir: Path, steps: int, eval_every_steps: int = 0) -> JobConfig:
+    """launch/configs/demo.yaml with this run's directory, step count and evaluations."""
     path = Path(str(resources.files("launch.configs").joinpath("demo.yaml")))
-    return load_config(path, [f"logging.run_dir={run_dir}", f"algorithm.steps={steps}"])
+    overrides = [
+        f"logging.run_dir={run_dir}",
+        f"logging.eval_every_steps={eval_every_steps}",
+        f"algorithm.steps={steps}",
+    ]
+    return load_config(path, overrides)
 
 
 async def _accuracy(model_dir: Path, tasks: list[Any]) -> list[float]:
@@ -54,12 +66,27 @@ async def _accuracy(model_dir: Path, tasks: list[Any]) -> list[float]:
     return correct(await evaluate(policy, tokenizer, tasks, tir_harness()))
 
 
+def _scored(console: Console, label: str, model_dir: Path, tasks: list[Any]) -> list[float]:
+    """Greedy scores of `model_dir` on `tasks`, announced and printed as a line each (the
+    spinner alone shows nothing in a log file)."""
+    started = time.perf_counter()
+    doing = f"evaluating {label} on {len(tasks)} held-out problems (greedy)"
+    if not console.is_terminal:
+        console.print(doing, highlight=False)
+    with console.status(doing):
+        scores = asyncio.run(_accuracy(model_dir, tasks))
+    text = accuracy_text(accuracy_metrics(scores), time.perf_counter() - started)
+    console.print(f"{label}: held-out accuracy {text}", highlight=False, markup=False)
+    return scores
+
+
 def run_opd_demo(
     out: Path = Path("runs/demo"),
     steps: int = 24,
     n_heldout: int = 300,
     console: Console | None = None,
     fresh: bool = True,
+    eval_every_steps: int = 0,
 ) -> dict[str, Any]:
     console = console or Console()
     hf_logging.disable_progress_bar()
@@ -68,30 +95,30 @@ def run_opd_demo(
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     student_dir, teacher_dir = bundled_models()
-    heldout = make_tasks(n_heldout, "heldout", seed=1)
+    heldout = heldout_tasks(n_heldout)
     train_tasks = make_tasks(4000, "train", seed=1)
-    job = demo_job(out, steps)
+    job = demo_job(out, steps, eval_every_steps)
     console.print(
         f"[bold]opd demo[/bold]: per-turn OPD on math TIR, {n_heldout} held-out "
         f"problems, {steps} steps of {job.rollout.tasks_per_step} problems"
     )
-    with console.status("evaluating the student (greedy)"):
-        before = asyncio.run(_accuracy(student_dir, heldout))
-    console.print(
-        f"student before: {sum(before) / len(before):.1%} ({time.perf_counter() - started:.0f} s)"
-    )
+    before = _scored(console, "student before", student_dir, heldout)
     logger = WandbLogger(job, out, "opd-demo")
     run = LocalRun(job, student_dir, out, console)
     with embedded_teacher(teacher_dir, out / "teacher.log") as teacher_url:
         asyncio.run(
             run.train(
-                train_tasks, teacher_url, on_step=lambda step, metrics: logger.log(metrics, step)
+                train_tasks,
+                teacher_url,
+                on_step=lambda step, metrics: logger.log(metrics, step),
+                heldout=heldout[: job.logging.eval_problems],
             )
         )
-    logger.finish()
-    with console.status("evaluating the trained student (greedy)"):
-        after = asyncio.run(_accuracy(out / "checkpoint", heldout))
+    after = _scored(console, "student after", out / "checkpoint", heldout)
     history = load_metrics(out)
+    if history:  # the final evaluation under the names of the periodic ones, at its step
+        logger.log(accuracy_metrics(after), int(history[-1]["step"]))
+    logger.finish()
     mean, low, high = paired_difference(before, after)
     summary = {
         "accuracy_before": sum(before) / len(before),

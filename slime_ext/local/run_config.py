@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from transformers.utils import logging as hf_logging
 
 from launch.config import JobConfig
 from launch.runtime import teacher_in_process
 from rollout.tasks.arithmetic import make_tasks
+from slime_ext.local.evaluate import heldout_tasks
 from slime_ext.local.factory import materialize
 from slime_ext.local.loop import LocalRun, embedded_teacher
 from slime_ext.local.preflight import (
@@ -74,16 +76,24 @@ def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str
 
 def run_local_job(job: JobConfig, console: Console | None = None) -> list[dict[str, Any]]:
     check_local_job(job)  # what `opd config validate` checks for `opd train`
+    hf_logging.disable_progress_bar()  # a bar per checkpoint save, as \r noise in a log
     run_dir = Path(job.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     student_dir = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)
     tasks = make_tasks(TRAIN_TASKS, "train", seed=job.model.seed)
+    heldout = heldout_tasks(job.logging.eval_problems) if job.logging.eval_every_steps else None
     logger = WandbLogger(job, run_dir, name=run_dir.name)
     run = LocalRun(job, student_dir, run_dir, console)
     try:
         with teacher_url(job, run_dir) as (url, api_key):
             return asyncio.run(
-                run.train(tasks, url, api_key=api_key, on_step=lambda step, m: logger.log(m, step))
+                run.train(
+                    tasks,
+                    url,
+                    api_key=api_key,
+                    on_step=lambda step, m: logger.log(m, step),
+                    heldout=heldout,
+                )
             )
     finally:
         logger.finish()

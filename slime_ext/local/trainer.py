@@ -1,4 +1,5 @@
-"""The embedded trainer's update: per-turn samples, `slime_ext.losses`, AdamW.
+"""The embedded trainer's update: per-turn samples, `slime_ext.losses`, AdamW with
+Megatron's learning-rate schedule (`scheduled_lr`).
 
 The same losses as the cluster path: OPD is `reverse_kl_pg_loss` against the teacher's
 log-probs of each turn's span; RL is REINFORCE with group-normalized outcome advantages;
@@ -14,14 +15,16 @@ whole.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
+from torch.optim.lr_scheduler import LRScheduler
 
 from rollout.masking import loss_mask_for
 from rollout.reminders import teacher_view
@@ -58,6 +61,16 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lr: float = Field(default=1e-4, gt=0)
+    """See AlgorithmConfig.lr."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """See AlgorithmConfig.lr_schedule."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """See AlgorithmConfig.lr_warmup_steps."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """See AlgorithmConfig.min_lr."""
+    lr_decay_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps the schedule spans, warmup included (algorithm.steps; Megatron's
+    --lr-decay-iters): cosine and linear reach min_lr there. constant needs none."""
     weight_decay: float = Field(default=0.0, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
     temperature: float = Field(default=1.0, gt=0)
@@ -92,9 +105,59 @@ class TrainerConfig(BaseModel):
     turn, mask 4.5x; on one demo-sized trajectory, 455 packed tokens, both take the same
     time, and the mask batches a step's trajectories in one forward)."""
 
+    @model_validator(mode="after")
+    def _decay_has_an_end(self) -> TrainerConfig:
+        if self.lr_schedule != "constant" and self.lr_decay_steps is None:
+            raise ValueError(
+                f"lr_schedule {self.lr_schedule!r} decays over lr_decay_steps: set it "
+                "(the run's optimizer steps)"
+            )
+        return self
+
 
 MASK_MAX_TOKENS = 2048
 """packed_kernel auto: trajectories up to this many packed tokens go through the mask."""
+
+
+def scheduled_lr(step: int, config: TrainerConfig) -> float:
+    """The learning rate of optimizer step `step` (0: the first): Megatron's
+    OptimizerParamScheduler.get_lr (megatron/core/optimizer_param_scheduler.py) with warmup
+    from 0 (--lr-warmup-init), so this trainer and slime's train at the same rate."""
+    lr, warmup = config.lr, config.lr_warmup_steps
+    if warmup > 0 and step <= warmup:
+        return lr * step / warmup
+    if config.lr_schedule == "constant" or config.lr_decay_steps is None:
+        return lr
+    if step > config.lr_decay_steps:
+        return config.min_lr
+    ratio = (step - warmup) / (config.lr_decay_steps - warmup)
+    if config.lr_schedule == "linear":
+        coeff = 1.0 - ratio
+    else:
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return config.min_lr + coeff * (lr - config.min_lr)
+
+
+class ScheduledLR(LRScheduler):
+    """`scheduled_lr` as a torch scheduler; `last_epoch` counts the optimizer steps taken.
+    Its state is that count alone: a resumed run takes the schedule's settings from its
+    config."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: TrainerConfig) -> None:
+        self.config = config
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float | Tensor]:
+        return [scheduled_lr(self.last_epoch, self.config)] * len(self.optimizer.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
 
 
 class MissingTeacherScores(ValueError):
@@ -145,6 +208,7 @@ class LocalTrainer:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
+        self.lr_schedule = ScheduledLR(self.optimizer, self.config)
         self.pad_id = int(model.config.pad_token_id or 0)
         self.layout: Layout = _resolve_layout(model, self.config.sequence_layout)
 
@@ -394,10 +458,18 @@ class LocalTrainer:
         loss, metrics = self.loss(trajectories, recipe)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
+        self.lr_schedule.step()
         self.model.eval()
         metrics["train/grad_norm"] = float(norm)
         return metrics
+
+    def skip(self) -> None:
+        """A step with nothing to train: the schedule moves on all the same, as slime's
+        does (it steps on every rollout), so both modes train step s at the same rate."""
+        self.lr_schedule.last_epoch += 1
+        self.lr_schedule.load_state_dict(self.lr_schedule.state_dict())
 
 
 def _resolve_layout(model: Any, wanted: str) -> Layout:

@@ -1,0 +1,162 @@
+"""What a local training run prints when its output is a pipe or a log file (no terminal):
+a line per step, per checkpoint and per periodic evaluation, and the evaluation's metrics
+in metrics.jsonl at the step it followed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from rich.console import Console
+
+from slime_ext.local.progress import step_fields
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+TINY = {
+    "model": {"student": "factory:qwen3-tiny", "seed": 0},
+    "rollout": {
+        "max_turns": 2,
+        "max_new_tokens": 12,
+        "tasks_per_step": 2,
+        "samples_per_task": 2,
+        "concurrency": 4,
+    },
+}
+STEP_LINE = re.compile(
+    r"step (\d+)/3  loss (\S+)  reverse_kl (\S+)  reward (\S+)  (?:lr \S+  )?tokens/s \d+  "
+    r"elapsed \d+\S*  eta \d+\S*"
+)
+EVAL_LINE = re.compile(
+    r"eval after step (\d+)/3: held-out accuracy ([\d.]+)% \[([\d.]+)%, ([\d.]+)%\] "
+    r"\(n=(\d+), \d+ s\)"
+)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_opd_train_into_a_pipe_prints_steps_checkpoints_and_evaluations(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = {
+        **TINY,
+        "teacher": {"kind": "embedded", "model": "factory:qwen3-tiny"},
+        "algorithm": {"recipe": "opd", "steps": 3, "lr": 1e-3},
+        "logging": {
+            "run_dir": str(run_dir),
+            "wandb_mode": "disabled",
+            "save_every_steps": 2,
+            "eval_every_steps": 2,
+            "eval_problems": 4,
+        },
+    }
+    config_path = tmp_path / "job.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "train", str(config_path)],
+        env={**os.environ, "WANDB_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert not re.search(r"\x1b|\r", done.stdout + done.stderr)  # plain lines, no live display
+    steps = [(i, STEP_LINE.fullmatch(line)) for i, line in enumerate(lines)]
+    steps = [(i, match) for i, match in steps if match]
+    assert [int(match[1]) for _, match in steps] == [1, 2, 3]
+    metrics = _metrics(run_dir)
+    for (_, match), row in zip(steps, metrics, strict=True):
+        assert float(match[2]) == pytest.approx(row["train/loss"], rel=1e-3, abs=1e-4)
+        assert float(match[3]) == pytest.approx(row["rollout/opd_reverse_kl"], abs=1e-4)
+        assert float(match[4]) == pytest.approx(row["rollout/reward"], abs=1e-3)
+    checkpoint = run_dir / "checkpoint"
+    assert [line for line in lines if line.startswith("checkpoint")] == [
+        f"checkpoint written: {checkpoint} (step 2/3)",
+        f"checkpoint written: {checkpoint} (step 3/3)",
+    ]
+    evals = [(i, EVAL_LINE.fullmatch(line)) for i, line in enumerate(lines)]
+    [(at, match)] = [(i, match) for i, match in evals if match]
+    assert steps[1][0] < at < steps[2][0]  # after step 2, before step 3
+    assert match[1] == "2" and match[5] == "4"
+    # logged with the step it followed (metrics.jsonl counts steps from 0), nowhere else
+    assert [row["step"] for row in metrics if "eval/heldout_accuracy" in row] == [1]
+    row = metrics[1]
+    assert row["eval/heldout_problems"] == 4
+    assert float(match[2]) == pytest.approx(100 * row["eval/heldout_accuracy"], abs=0.05)
+    low, high = row["eval/heldout_accuracy_ci95_low"], row["eval/heldout_accuracy_ci95_high"]
+    assert low <= row["eval/heldout_accuracy"] <= high and high > low
+    assert (float(match[3]), float(match[4])) == pytest.approx((100 * low, 100 * high), abs=0.05)
+
+
+@pytest.mark.timeout(300)
+def test_eval_every_without_a_held_out_set_says_so_and_trains_on(
+    tmp_path: Path, factory_dir: Path
+) -> None:
+    from launch.config import config_from_dict
+    from rollout.tasks.arithmetic import make_tasks
+    from slime_ext.local.loop import LocalRun
+
+    run_dir = tmp_path / "run"
+    job = config_from_dict(
+        {
+            **TINY,
+            "algorithm": {"recipe": "rl", "steps": 2, "lr": 1e-3},
+            "logging": {"run_dir": str(run_dir), "wandb_mode": "disabled", "eval_every_steps": 1},
+        }
+    )
+    output = StringIO()
+    run = LocalRun(job, factory_dir, run_dir, Console(file=output, force_terminal=False))
+    history = asyncio.run(run.train(make_tasks(40, "train"), None))
+    lines = output.getvalue().splitlines()
+    assert any("no held-out set was given, so no periodic evaluation" in line for line in lines)
+    assert not any(line.startswith("eval after") for line in lines)
+    assert not any("eval/heldout_accuracy" in row for row in _metrics(run_dir))
+    step_lines = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == ["1/2", "2/2"]
+    for line, metrics in zip(step_lines, history, strict=True):
+        assert f"reward {metrics['rollout/reward']:.3f}" in line  # rl's signal
+        assert "reverse_kl" not in line
+
+
+@pytest.mark.parametrize(
+    ("recipe", "signal"),
+    [
+        ("opd", "reverse_kl 0.2500"),
+        ("opsd", "reverse_kl 0.2500"),
+        ("oprd", "reverse_kl 0.2500"),
+        ("rl", "reward 0.750"),
+        ("sft", "loss 0.5"),
+    ],
+)
+def test_each_recipe_shows_its_signal(recipe: str, signal: str) -> None:
+    metrics = {
+        "train/loss": 0.5,
+        "train/trajectories_trained": 4.0,
+        "train/loss_tokens": 300.0,
+        "perf/step_time": 2.0,
+        "rollout/opd_reverse_kl": 0.25,
+        "rollout/reward": 0.75,
+        "train/lr": 3e-4,
+    }
+    fields = step_fields(recipe, metrics)
+    assert fields[0] == "loss 0.5" and signal in fields
+    assert "tokens/s 150" in fields and "lr 3.00e-04" in fields
+    assert ("reverse_kl 0.2500" in fields) == (recipe not in ("rl", "sft"))
+
+
+def test_a_step_that_trained_nothing_says_so() -> None:
+    fields = step_fields("sft", {"train/trajectories_trained": 0.0, "rollout/reward": 0.0})
+    assert fields[0] == "loss - (nothing trained)"
