@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from launch.cli_help import hide_flag_types
+from launch.cli_help import hide_flag_types, version_callback
 from launch.config import ConfigError, JobConfig, config_to_yaml, load_config
 from launch.dashboard import (
     DEFAULT_NAME,
@@ -33,20 +33,15 @@ app = typer.Typer(
 )
 
 
-def _version(show: bool) -> None:
-    if show:
-        from importlib.metadata import version
-
-        typer.echo(f"opd {version('opd')}")
-        raise typer.Exit()
-
-
 @app.callback()
 def _root(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+            "--version",
+            callback=version_callback("opd"),
+            is_eager=True,
+            help="Print the version and exit.",
         ),
     ] = False,
 ) -> None:

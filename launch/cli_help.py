@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import typer
 from typer.core import TyperOption
 
 
@@ -19,3 +21,16 @@ def hide_flag_types() -> None:
 
     display_type_rich.hides_flag_types = True  # type: ignore[attr-defined]
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+def version_callback(program: str) -> Callable[[bool], None]:
+    """The eager `--version` option's callback: prints `program` and the package's version."""
+
+    def show(asked: bool) -> None:
+        if asked:
+            from importlib.metadata import version
+
+            typer.echo(f"{program} {version('opd')}")
+            raise typer.Exit()
+
+    return show

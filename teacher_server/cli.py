@@ -12,7 +12,7 @@ from typing import Annotated, Literal, NoReturn
 
 import typer
 
-from launch.cli_help import hide_flag_types
+from launch.cli_help import hide_flag_types, version_callback
 from teacher_server.api import DEFAULT_MAX_TOP_K
 
 hide_flag_types()
@@ -26,20 +26,15 @@ app = typer.Typer(
 FACTORY_CACHE = Path(os.environ.get("OPD_CACHE_DIR", Path.home() / ".cache" / "opd")) / "factory"
 
 
-def _version(show: bool) -> None:
-    if show:
-        from importlib.metadata import version
-
-        typer.echo(f"opd-teacher {version('opd')}")
-        raise typer.Exit()
-
-
 @app.callback()
 def _root(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+            "--version",
+            callback=version_callback("opd-teacher"),
+            is_eager=True,
+            help="Print the version and exit.",
         ),
     ] = False,
 ) -> None:

@@ -92,3 +92,25 @@ def standin_slime(directory: Path) -> Path:
     (slime / "tools/convert_hf_to_torch_dist.py").write_text(CONVERT_STANDIN)
     (slime / "scripts/models/tiny.sh").write_text("MODEL_ARGS=(--num-layers 2)\n")
     return slime
+
+
+def ray_node_args(temp: Path, node: str, index: str) -> list[str]:
+    """Several Ray nodes on one host: each its own temp dir and port block (REFERENCE.md,
+    Slurm and Ray on one host). `node` and `index` are shell expressions a node's step
+    expands to its name and a small number (e.g. from SLURMD_NODENAME or SSH_CONNECTION).
+    The temp dir is short: Ray's sockets live under it (Unix socket paths hold 107
+    bytes)."""
+    base = random.Random().randrange(20000, 40000, 1000)
+    port = f"$(({base} + {index} * 100"
+    return [
+        f"--temp-dir={temp}/{node}",
+        "--num-cpus=2",
+        f"--node-manager-port={port}))",
+        f"--object-manager-port={port} + 1))",
+        f"--metrics-export-port={port} + 2))",
+        f"--dashboard-agent-listen-port={port} + 3))",
+        f"--dashboard-agent-grpc-port={port} + 4))",
+        f"--runtime-env-agent-port={port} + 5))",
+        f"--min-worker-port={port} + 10))",
+        f"--max-worker-port={port} + 99))",
+    ]

@@ -46,3 +46,20 @@ def serve_in_thread(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def wait_until_healthy(url: str, server: Any, log: Any, timeout_s: float = 120.0) -> None:
+    """Until `url`/health answers 200; a server process (`server`, a Popen) that exits or
+    the deadline passing fails the test with the server's log (`log`, a Path)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()}"
+        time.sleep(0.2)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -33,30 +32,9 @@ import pytest
 
 from launch.config import config_from_dict
 from launch.plan import render_sbatch
-from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, standin_slime
+from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
 from tests.live_server import free_port
 from tests.slurm_cluster import require_slurm, slurm_cluster
-
-
-def _ray_node_args(temp: Path) -> list[str]:
-    """Several Ray nodes on one host: each its own temp dir and port block (REFERENCE.md,
-    Slurm and Ray on one host); node K of the Slurm cluster is named nodeK. The temp dir
-    is short: Ray's sockets live under it (Unix socket paths hold 107 bytes)."""
-    base = random.Random().randrange(20000, 40000, 1000)
-    index = "${SLURMD_NODENAME#node}"
-    port = f"$(({base} + {index} * 100"
-    return [
-        f"--temp-dir={temp}/$SLURMD_NODENAME",
-        "--num-cpus=2",
-        f"--node-manager-port={port}))",
-        f"--object-manager-port={port} + 1))",
-        f"--metrics-export-port={port} + 2))",
-        f"--dashboard-agent-listen-port={port} + 3))",
-        f"--dashboard-agent-grpc-port={port} + 4))",
-        f"--runtime-env-agent-port={port} + 5))",
-        f"--min-worker-port={port} + 10))",
-        f"--max-worker-port={port} + 99))",
-    ]
 
 
 def _job(directory: Path, factory_dir: Path, ray_temp: Path) -> Any:
@@ -91,7 +69,10 @@ def _job(directory: Path, factory_dir: Path, ray_temp: Path) -> Any:
                 "tasks_file": str(tasks),
                 "ray_port": free_port(),
                 "dashboard_port": free_port(),
-                "ray_start_args": _ray_node_args(ray_temp),
+                # node K of the Slurm cluster is named nodeK
+                "ray_start_args": ray_node_args(
+                    ray_temp, "$SLURMD_NODENAME", "${SLURMD_NODENAME#node}"
+                ),
                 "ray_wait_s": 180,
                 "sbatch_options": ["--time=15"],
             },

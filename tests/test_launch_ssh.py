@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -32,32 +31,12 @@ import pytest
 import yaml
 
 from launch.config import config_from_dict, config_to_yaml
-from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, standin_slime
+from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
 from tests.live_server import free_port
 from tests.ssh_nodes import SshNodes, require_ssh, ssh_nodes
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_TOKEN = Path.home() / ".ray/auth_token"
-
-
-def _ray_node_args(temp: Path) -> list[str]:
-    """Several Ray nodes on one host: each its own temp dir and ports, told apart by the
-    node's address (the third field of SSH_CONNECTION) in the remote shell."""
-    base = random.Random().randrange(20000, 40000, 1000)
-    octet = "$(set -- $SSH_CONNECTION; echo ${3##*.})"
-    port = f"$(({base} + {octet} * 100"
-    return [
-        f"--temp-dir={temp}/{octet}",
-        "--num-cpus=2",
-        f"--node-manager-port={port}))",
-        f"--object-manager-port={port} + 1))",
-        f"--metrics-export-port={port} + 2))",
-        f"--dashboard-agent-listen-port={port} + 3))",
-        f"--dashboard-agent-grpc-port={port} + 4))",
-        f"--runtime-env-agent-port={port} + 5))",
-        f"--min-worker-port={port} + 10))",
-        f"--max-worker-port={port} + 99))",
-    ]
 
 
 def _job(directory: Path, factory_dir: Path, nodes: SshNodes, ray_temp: Path) -> Any:
@@ -66,6 +45,7 @@ def _job(directory: Path, factory_dir: Path, nodes: SshNodes, ray_temp: Path) ->
     tasks.write_text("")
     sent = [KEY_NAME] + (["RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"] if RAY_TOKEN.exists() else [])
     venv = Path(sys.executable).parent
+    octet = "$(set -- $SSH_CONNECTION; echo ${3##*.})"
     # a node's login shell knows nothing of this venv: the user's equivalent of activating
     # it in ~/.bashrc, without reading this machine's ~/.bashrc
     path = f"PATH={venv}:/usr/local/bin:/usr/bin:/bin"
@@ -102,7 +82,8 @@ def _job(directory: Path, factory_dir: Path, nodes: SshNodes, ray_temp: Path) ->
                 "tasks_file": str(tasks),
                 "ray_port": free_port(),
                 "dashboard_port": free_port(),
-                "ray_start_args": _ray_node_args(ray_temp),
+                # a node tells itself apart by its address: SSH_CONNECTION's third field
+                "ray_start_args": ray_node_args(ray_temp, octet, octet),
                 "ray_wait_s": 180,
             },
         }

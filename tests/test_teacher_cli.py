@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from teacher_server.cli import app, exposed_without_key
-from tests.live_server import free_port
+from tests.live_server import free_port, wait_until_healthy
 
 SERVE = [sys.executable, "-m", "teacher_server", "serve"]
 
@@ -108,16 +108,7 @@ def test_bundled_teacher_serves_its_api_page_offline_and_logs_each_request(
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 100
-        while True:
-            assert server.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(url, server, log, timeout_s=100)
         page = httpx.get(f"{url}/docs")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
         assert "/v1/score" in page.text and "ScoreRequest" in page.text

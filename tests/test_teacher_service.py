@@ -26,7 +26,7 @@ from teacher_server.app import create_app
 from teacher_server.client import TeacherClient, TeacherOverloaded, TeacherUnavailable
 from teacher_server.hf_backend import HFBackend
 from teacher_server.metrics import ServerMetrics
-from tests.live_server import free_port, serve_in_thread
+from tests.live_server import free_port, serve_in_thread, wait_until_healthy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 LOAD_TEST_S = float(os.environ.get("OPD_LOAD_TEST_S", "10"))
@@ -59,16 +59,7 @@ def test_cli_serves_and_scores(model_dir: Path, tmp_path: Path) -> None:
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(url, server, tmp_path / "server.log")
 
         async def run() -> Any:
             async with TeacherClient(url, api_key="k") as teacher:
