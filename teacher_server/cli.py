@@ -94,8 +94,9 @@ def serve(
         int | None,
         typer.Option(
             min=1,
-            help="hf: ids of one request (all items) at most; more is 413, never a retryable "
-            "503. Default: max-batch-size items of the max context.",
+            help="ids of one request (all items) at most; more is 413, never a retryable "
+            "503. Default: max-batch-size items (sglang: 64 concurrent items) of the max "
+            "context.",
         ),
     ] = None,
     max_wait_ms: Annotated[float, typer.Option(help="Batch collection window (hf).")] = 5.0,
@@ -192,6 +193,7 @@ def serve(
             max_context=max_context,
             max_top_k=max_top_k,
             max_queue=max_queue,
+            max_request_tokens=max_request_tokens,
         )
     if request_log:
         handler = logging.StreamHandler(sys.stdout)

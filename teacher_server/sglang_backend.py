@@ -47,6 +47,7 @@ class SGLangBackend:
         max_top_k: int = 100,
         max_concurrency: int = 64,
         max_queue: int = 1024,
+        max_request_tokens: int | None = None,
         timeout_s: float = 300.0,
     ) -> None:
         self.url = url.rstrip("/")
@@ -58,6 +59,9 @@ class SGLangBackend:
         self.max_top_k = max_top_k
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
+        self.max_request_tokens = max_request_tokens
+        """ids of one request at most (413 past it); None: max_concurrency items of the
+        max context, what SGLang is asked to hold at once for one request."""
         self.timeout_s = timeout_s
         self.pending = 0
         self._semaphore = asyncio.Semaphore(max_concurrency)
@@ -72,6 +76,8 @@ class SGLangBackend:
             backend="sglang",
             max_top_k=self.max_top_k,
             max_batch_size=self.max_concurrency,
+            max_request_tokens=self.max_request_tokens
+            or (self.max_context * self.max_concurrency if self.max_context else None),
         )
 
     async def start(self) -> None:

@@ -194,6 +194,34 @@ def test_an_input_of_the_context_length_is_a_400_not_an_upstream_failure(
     assert "longer than the model's context length (1024" in upstream.json()["error"]["message"]
 
 
+def test_a_request_over_the_token_budget_is_a_413_that_never_reaches_sglang(
+    model_dir: Path, standin_url: str
+) -> None:
+    """The sglang backend had no per-request budget: a request of many long items went
+    upstream whole. The default is max_concurrency items of the max context."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    metrics = ServerMetrics()
+    backend = SGLangBackend(
+        standin_url,
+        tokenizer,
+        metrics,
+        model_name=str(model_dir),
+        tokenizer_identity=tokenizer_identity(tokenizer),
+        max_concurrency=2,
+    )
+    item = {"input_ids": [(i * 7 + 1) % 800 for i in range(1000)], "span_start": 990}
+    calls_before = len(httpx.get(f"{standin_url}/standin/headers").json())
+    with serve_in_thread(create_app(backend, metrics)) as url:
+        info = httpx.get(f"{url}/v1/info").json()
+        assert info["max_request_tokens"] == 2 * 1023
+        refused = httpx.post(f"{url}/v1/score", json={"requests": [item] * 3})
+        assert refused.status_code == 413, refused.text
+        assert "3000 ids in one request" in refused.json()["detail"]
+        assert len(httpx.get(f"{standin_url}/standin/headers").json()) == calls_before
+        served = httpx.post(f"{url}/v1/score", json={"requests": [item] * 2}, timeout=60)
+        assert served.status_code == 200, served.text
+
+
 def test_a_given_max_context_is_clamped_to_what_sglang_accepts(
     model_dir: Path, standin_url: str
 ) -> None:
