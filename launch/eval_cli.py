@@ -4,6 +4,7 @@ opd eval math --policy bundled:student --dataset heldout.jsonl -k 4 --out runs/e
 opd eval swe --policy http://sglang:30000 --tokenizer /models/Qwen3.5-9B \\
     --dataset verified=swebench_verified.parquet --dataset pro=swebench_pro.parquet \\
     --out runs/eval/opd-i38
+opd eval swe --policy gold --dataset verified=swebench_verified.parquet --out runs/eval/gold
 opd compare runs/eval/base runs/eval/opd-i38 --out runs/eval/base-vs-opd
 opd sweep temperature --values 0.7,0.9,1.1 --policy ... --dataset verified.jsonl -n 100 \\
     --top-k 10 --out runs/sweep
@@ -19,9 +20,12 @@ from rich.console import Console
 from rich.table import Table
 
 from launch.eval_report import (
+    NOT_GRADED,
     WandbMode,
     log_to_wandb,
     markdown_table,
+    nothing_graded,
+    rate_cells,
     settings_markdown,
     write_report,
 )
@@ -42,7 +46,8 @@ PolicyOpt = Annotated[
     str,
     typer.Option(
         help="An SGLang server URL (http://host:port), a local HF directory, factory:<preset> "
-        "or bundled:student (run here)."
+        "or bundled:student (run here). SWE also: gold (apply the dataset's patch), empty "
+        "(submit no change: nothing may resolve) or replay:FILE (scripted actions, JSONL)."
     ),
 ]
 DatasetOpt = Annotated[
@@ -90,6 +95,19 @@ def _run(settings: EvalSettings, options: RunOptions) -> EvalOutcome:
     return outcome
 
 
+def _exit_if_ungraded(outcomes: list[EvalOutcome]) -> None:
+    """Exit 1, saying why, when some benchmark had nothing graded (its rates are n/a)."""
+    lines = [
+        f"nothing could be graded in {benchmark} ({NOT_GRADED}): " + "; ".join(why)
+        for outcome in outcomes
+        for benchmark, why in outcome.ungraded.items()
+    ]
+    if lines:
+        for line in lines:
+            err_console.print(f"[red]error[/red] {line}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1)
+
+
 def _print_scores(outcome: EvalOutcome) -> None:
     settings = outcome.settings
     k = settings.samples
@@ -102,13 +120,14 @@ def _print_scores(outcome: EvalOutcome) -> None:
     for column in columns:
         table.add_column(column, overflow="fold")
     for s in outcome.scores:
+        rate, interval, net, _ = rate_cells(s)
         row = [
             s.benchmark,
             str(s.problems),
-            f"{s.pass_at_1:.1%} [{s.interval[0]:.1%}, {s.interval[1]:.1%}]",
-            f"{s.net_pass_at_1:.1%}",
+            rate if nothing_graded(s) else f"{rate} {interval}",
+            net,
         ]
-        row += [f"{s.pass_at_k:.1%}"] if k > 1 else []
+        row += [NOT_GRADED if nothing_graded(s) else f"{s.pass_at_k:.1%}"] if k > 1 else []
         row += [f"{s.tool_use_frac:.0%}"] if settings.kind == "math" else []
         row += [f"{s.avg_turns:.1f}", str(s.aborts), str(s.timeouts)]
         table.add_row(*row)
@@ -170,7 +189,9 @@ def eval_swe(
     the minimal harness and the sandbox fleet; grade each submission (swebench's grading,
     Pro's run scripts), write predictions in swebench's format and the report: pass rate,
     net pass rate (infrastructure aborts excluded), average turns, aborts, Wilson 95%
-    intervals. Re-running resumes."""
+    intervals; each instance's test log and per-test statuses under <out>/instances/.
+    --policy gold / empty / replay:FILE check a benchmark's images and tests without a
+    model. Re-running resumes. Exit status 1 when a benchmark had nothing graded (n/a)."""
     try:
         settings = EvalSettings(
             kind="swe",
@@ -204,7 +225,7 @@ def eval_swe(
         )
     except ValueError as err:
         raise _fail(str(err)) from None
-    _run(settings, options)
+    _exit_if_ungraded([_run(settings, options)])
 
 
 @eval_app.command("math")
@@ -274,7 +295,7 @@ def eval_math(
         )
     except ValueError as err:
         raise _fail(str(err)) from None
-    _run(settings, options)
+    _exit_if_ungraded([_run(settings, options)])
 
 
 def compare(
@@ -425,3 +446,4 @@ def sweep_temperature(
         image=out / "report.png",
     )
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
+    _exit_if_ungraded([outcome for _, outcome in outcomes])

@@ -1,6 +1,9 @@
 """Reports of evaluations, comparisons and sweeps: markdown + JSON + a PNG plot in the run
 directory, and the same tables in W&B when W&B is on.
 
+A benchmark where nothing could be graded (every trajectory aborted) has no rate: its
+cells say n/a, not 0.0%.
+
 W&B: `wandb_mode` "disabled" (or WANDB_MODE=disabled) writes nothing; "offline" (the
 default: no API key needed) keeps the run under <dir>/wandb for `wandb sync`; "online"
 sends it. Each report is one W&B run (job_type "eval") whose tables are W&B Tables.
@@ -16,10 +19,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from rollout.evaluation.records import EvalRecord
 from rollout.evaluation.scores import BenchmarkScore
 
 WandbMode = Literal["offline", "online", "disabled"]
 REPORT_STEM = "report"
+NOT_GRADED = "n/a"
 
 Table = tuple[list[str], list[list[Any]]]
 """(columns, rows)."""
@@ -31,6 +36,23 @@ def _pct(value: float | None) -> str:
 
 def _ci(interval: tuple[float, float]) -> str:
     return f"[{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
+
+
+def nothing_graded(score: BenchmarkScore) -> bool:
+    """Every trajectory aborted: no rate can be given (n/a)."""
+    return score.aborts == score.trajectories
+
+
+def rate_cells(score: BenchmarkScore) -> tuple[str, str, str, str]:
+    """(pass rate, its 95% CI, net pass rate, its CI) as shown; n/a when nothing was graded."""
+    if nothing_graded(score):
+        return (NOT_GRADED,) * 4
+    return (
+        _pct(score.pass_at_1),
+        _ci(score.interval),
+        _pct(score.net_pass_at_1),
+        _ci(score.net_interval),
+    )
 
 
 def swe_table(scores: Sequence[BenchmarkScore]) -> Table:
@@ -54,10 +76,7 @@ def swe_table(scores: Sequence[BenchmarkScore]) -> Table:
             s.benchmark,
             s.problems,
             s.solved,
-            _pct(s.pass_at_1),
-            _ci(s.interval),
-            _pct(s.net_pass_at_1),
-            _ci(s.net_interval),
+            *rate_cells(s),
             f"{s.avg_turns:.1f}",
             s.aborts,
             s.timeouts,
@@ -88,9 +107,8 @@ def math_table(scores: Sequence[BenchmarkScore]) -> Table:
         [
             s.benchmark,
             s.problems,
-            _pct(s.pass_at_1),
-            _ci(s.interval),
-            _pct(s.pass_at_k),
+            *rate_cells(s)[:2],
+            NOT_GRADED if nothing_graded(s) else _pct(s.pass_at_k),
             _pct(s.tool_use_frac),
             _pct(s.pass_with_tools),
             _pct(s.pass_without_tools),
@@ -101,6 +119,54 @@ def math_table(scores: Sequence[BenchmarkScore]) -> Table:
         for s in scores
     ]
     return columns, rows
+
+
+def instances_summary(records: Sequence[EvalRecord]) -> list[dict[str, Any]]:
+    """Each SWE record's outcome, its FAIL_TO_PASS / PASS_TO_PASS counts and where its
+    grade's files are (report.json, test_output.txt, patch.diff), for report.json."""
+    return [
+        {
+            "benchmark": r.benchmark,
+            "instance_id": r.instance_id,
+            "sample": r.sample,
+            "resolved": r.solved,
+            "outcome": r.outcome,
+            "reason": r.reason,
+            "tests": r.details.get("tests"),
+            "files_dir": r.details.get("files_dir"),
+        }
+        for r in sorted(records, key=lambda r: r.key)
+    ]
+
+
+def instances_markdown(records: Sequence[EvalRecord]) -> str:
+    """One line per SWE record: resolved, tests passed of FAIL_TO_PASS / PASS_TO_PASS,
+    why, and a link to its grade's files."""
+    columns = ["Benchmark", "Instance", "Resolved", "FAIL_TO_PASS", "PASS_TO_PASS", "Reason"]
+    rows = []
+    for r in sorted(records, key=lambda r: r.key):
+        tests = r.details.get("tests") or {}
+        counts = [_passed_of(tests.get(name)) for name in ("FAIL_TO_PASS", "PASS_TO_PASS")]
+        files_dir = r.details.get("files_dir")
+        name = r.instance_id if r.sample == 0 else f"{r.instance_id} #{r.sample}"
+        instance = f"[{name}]({files_dir})" if files_dir else name
+        reason = " ".join(r.reason.split()).replace("|", "\\|")
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        resolved = "yes" if r.solved else ("aborted" if r.outcome == "aborted" else "no")
+        rows.append([r.benchmark, instance, resolved, *counts, reason])
+    intro = (
+        "Each instance's grade is in its folder (the link): report.json (FAIL_TO_PASS / "
+        "PASS_TO_PASS tests that passed and failed, every test's status), test_output.txt "
+        "(the grader's log), patch.diff (the submission). Tests: passed/total."
+    )
+    return intro + "\n\n" + markdown_table((columns, rows))
+
+
+def _passed_of(counts: Any) -> str:
+    if not isinstance(counts, dict):
+        return "-"
+    passed, failed = int(counts.get("passed", 0)), int(counts.get("failed", 0))
+    return f"{passed}/{passed + failed}"
 
 
 def markdown_table(table: Table) -> str:
@@ -176,6 +242,9 @@ def scores_plot(scores: Sequence[BenchmarkScore], title: str, metric_name: str) 
             capsize=3,
             label=label,
         )
+    for position, s in zip(positions, scores, strict=True):
+        if nothing_graded(s):
+            axis.text(position, 2, NOT_GRADED, ha="center", va="bottom")
     axis.set_xticks(positions, [s.benchmark for s in scores])
     axis.set_ylabel("% solved (95% CI)")
     axis.set_ylim(0, 100)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -19,15 +20,25 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from launch.eval_report import (
     WandbMode,
+    instances_markdown,
+    instances_summary,
     log_to_wandb,
     markdown_table,
     math_table,
+    nothing_graded,
     scores_plot,
     settings_markdown,
     swe_table,
     write_report,
 )
-from launch.policies import open_policy, resolve_policy
+from launch.policies import (
+    PolicySpecError,
+    is_scripted,
+    open_policy,
+    replay_path,
+    resolve_policy,
+    scripted_policy_factory,
+)
 from rollout.chat import ChatRenderer
 from rollout.evaluation.datasets import (
     MINI_SWE_PREFIX,
@@ -38,7 +49,7 @@ from rollout.evaluation.datasets import (
 )
 from rollout.evaluation.records import EvalRecord, ResultStore, latest_records
 from rollout.evaluation.run import EvalJob, evaluate, pending_jobs, write_predictions
-from rollout.evaluation.scores import BenchmarkScore, score
+from rollout.evaluation.scores import ALL_BENCHMARKS, BenchmarkScore, reason_category, score
 from rollout.harness.base import Harness
 from rollout.harness.swe import SWEHarness, SWEHarnessConfig
 from rollout.harness.tir import TIRConfig, TIRHarness
@@ -49,6 +60,8 @@ from sandbox.base import SandboxError
 from sandbox.fleet import Fleet, FleetConfig, HostConfig, InProcessHost
 
 EvalKind = Literal["swe", "math"]
+SCRIPTED_TOKEN_LIMIT = 1 << 30
+"""Context and generation limit of scripted policies (gold, empty, replay): none."""
 
 
 class EvalSettings(BaseModel):
@@ -60,12 +73,14 @@ class EvalSettings(BaseModel):
 
     kind: EvalKind
     policy: str
-    """An SGLang URL, a local HF directory, factory:<preset> or bundled:student."""
+    """An SGLang URL, a local HF directory, factory:<preset> or bundled:student; SWE: also
+    a scripted agent, gold, empty or replay:FILE (rollout.harness.swe_scripts)."""
     tokenizer: str | None = None
     datasets: list[str] = Field(min_length=1)
     """`name=path` or a path (named by its stem); `mini_swe:N` for synthetic SWE tasks."""
     dataset_digests: dict[str, str] = Field(default_factory=dict)
-    """sha256 of each dataset file (filled by `run_evaluation`)."""
+    """sha256 of each dataset file, and of a replay policy's file under its --policy
+    (filled by `run_evaluation`)."""
     swe_kind: SWEDatasetKind = "auto"
     samples: int = Field(default=1, ge=1)
     """k: trajectories per instance."""
@@ -117,6 +132,9 @@ class EvalOutcome(BaseModel):
     """Trajectories run this time (the rest were already in the run directory)."""
     resumed: int
     reports: list[Path]
+    ungraded: dict[str, list[str]] = Field(default_factory=dict)
+    """Benchmarks where nothing could be graded (every trajectory aborted; their rates
+    are n/a), with why: '<count> <reason category>, e.g. <one reason>'."""
 
 
 def load_benchmarks(settings: EvalSettings, limit: int | None) -> dict[str, list[Task]]:
@@ -153,13 +171,15 @@ def check_gradable(harness: SWEHarness, benchmarks: dict[str, list[Task]]) -> No
         raise ValueError(f"{len(problems)} instances cannot be graded:\n  {shown}{more}")
 
 
-def dataset_digests(datasets: Sequence[str]) -> dict[str, str]:
+def dataset_digests(datasets: Sequence[str], policy: str | None = None) -> dict[str, str]:
     digests: dict[str, str] = {}
     for spec in datasets:
         name, source = named(spec)
         if source.startswith(MINI_SWE_PREFIX):
             continue
         digests[name] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    if policy is not None and (replay := replay_path(policy)) is not None:
+        digests[policy] = hashlib.sha256(replay.read_bytes()).hexdigest()  # an edited script
     return digests
 
 
@@ -171,6 +191,8 @@ def harness_of(settings: EvalSettings) -> Harness:
             step_limit=settings.max_turns,
             command_timeout_s=settings.command_timeout_s,
             eval_timeout_s=settings.eval_timeout_s,
+            grade_empty_submissions=settings.policy == "empty",
+            keep_grade_files=True,
         )
     )
 
@@ -178,14 +200,17 @@ def harness_of(settings: EvalSettings) -> Harness:
 def runner_config_of(settings: EvalSettings, concurrency: int) -> RunnerConfig:
     # TIR: every python call is a turn, and the answer one more
     turns = settings.max_turns + 1 if settings.kind == "math" else settings.max_turns
+    max_new_tokens, max_context_tokens = settings.max_new_tokens, settings.max_context_tokens
+    if is_scripted(settings.policy):  # no model: a script's turns are as long as they are
+        max_new_tokens = max_context_tokens = SCRIPTED_TOKEN_LIMIT
     return RunnerConfig(
         concurrency=concurrency,
         max_turns=turns,
-        max_new_tokens=settings.max_new_tokens,
-        max_context_tokens=settings.max_context_tokens,
+        max_new_tokens=max_new_tokens,
+        max_context_tokens=max_context_tokens,
         trajectory_timeout_s=settings.trajectory_timeout_s,
         sampling=SamplingParams(
-            max_new_tokens=settings.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             temperature=settings.temperature,
             top_k=settings.top_k,
             top_p=settings.top_p,
@@ -273,19 +298,29 @@ def run_evaluation(
     `policy_factory`: opens (policy, tokenizer); default: from settings.policy."""
     benchmarks = load_benchmarks(settings, options.limit)
     harness = harness_of(settings)
+    models_dir = options.models_dir or options.out_dir / "models"
     if isinstance(harness, SWEHarness):
         check_gradable(harness, benchmarks)
-    settings = settings.model_copy(update={"dataset_digests": dataset_digests(settings.datasets)})
+    elif is_scripted(settings.policy):
+        raise PolicySpecError(f"--policy {settings.policy}: a scripted policy is for SWE only")
+    if policy_factory is None and isinstance(harness, SWEHarness) and is_scripted(settings.policy):
+        swe_harness = harness  # scripts made (a replay file read) before the run directory
+        policy_factory = scripted_policy_factory(
+            settings.policy,
+            [task for tasks in benchmarks.values() for task in tasks],
+            lambda task: swe_harness.family(task).reference_patch(task),
+            settings.tokenizer,
+            models_dir,
+            settings.seed,
+            settings.tool_call_format,
+        )
+    digests = dataset_digests(settings.datasets, settings.policy)
+    settings = settings.model_copy(update={"dataset_digests": digests})
     store = ResultStore(options.out_dir)
     done = store.open(settings.model_dump(mode="json"))
     jobs = pending_jobs(benchmarks, settings.samples, done)
     if policy_factory is None:
-        source = resolve_policy(
-            settings.policy,
-            settings.tokenizer,
-            options.models_dir or options.out_dir / "models",
-            settings.seed,
-        )
+        source = resolve_policy(settings.policy, settings.tokenizer, models_dir, settings.seed)
 
         def policy_factory() -> contextlib.AbstractAsyncContextManager[tuple[Policy, Any]]:
             return open_policy(source, settings.seed + len(done), options.concurrency)
@@ -302,7 +337,27 @@ def run_evaluation(
         ran=len(jobs),
         resumed=len(wanted) - len(jobs),
         reports=reports,
+        ungraded=ungraded_reasons(records, scores),
     )
+
+
+def ungraded_reasons(
+    records: Sequence[EvalRecord], scores: Sequence[BenchmarkScore]
+) -> dict[str, list[str]]:
+    """Why nothing was graded, per benchmark where nothing was: each reason category's
+    count with one of its reasons."""
+    why: dict[str, list[str]] = {}
+    for s in scores:
+        if s.benchmark == ALL_BENCHMARKS or not nothing_graded(s):
+            continue
+        reasons = [r.reason for r in records if r.benchmark == s.benchmark]
+        counts = Counter(reason_category(reason) for reason in reasons)
+        example = {reason_category(reason): reason for reason in reversed(reasons)}
+        why[s.benchmark] = [
+            f"{count} {category}, e.g. {example[category][:300]}"
+            for category, count in counts.most_common()
+        ]
+    return why
 
 
 def _keys(benchmarks: dict[str, list[Task]], samples: int) -> set[tuple[str, str, int]]:
@@ -327,16 +382,20 @@ def write_eval_report(
     sections = [
         ("Scores", markdown_table(table)),
         ("Why not solved", _reasons_markdown(scores)),
-        ("Settings", settings_markdown(settings.model_dump(mode="json"))),
     ]
+    data: dict[str, Any] = {
+        "settings": settings.model_dump(mode="json"),
+        "scores": [s.model_dump(mode="json") for s in scores],
+    }
+    if settings.kind == "swe":
+        sections.append(("Instances", instances_markdown(records)))
+        data["instances"] = instances_summary(records)
+    sections.append(("Settings", settings_markdown(settings.model_dump(mode="json"))))
     paths = write_report(
         out_dir,
         title,
         sections,
-        {
-            "settings": settings.model_dump(mode="json"),
-            "scores": [s.model_dump(mode="json") for s in scores],
-        },
+        data,
         plot=scores_plot(scores, title, metric) if scores else None,
     )
     if settings.kind == "swe":

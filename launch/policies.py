@@ -1,18 +1,25 @@
 """Where an evaluation's or a sampling run's generations come from: `--policy` (an SGLang
-server URL, a local HF directory, factory:<preset>, bundled:student) and `--tokenizer`."""
+server URL, a local HF directory, factory:<preset>, bundled:student) and `--tokenizer`;
+for SWE evaluations also a scripted agent, no model: gold (the dataset's fix), empty (an
+unchanged repository) or replay:FILE (rollout.harness.swe_scripts)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, model_validator
 
+from rollout.chat import ChatRenderer, Message
 from rollout.policy import Policy
+from rollout.toolcalls import ToolCallFormat
+from rollout.trajectory import Task
 
 URL_PREFIXES = ("http://", "https://")
+SCRIPTED_POLICIES = ("gold", "empty")
+REPLAY_PREFIX = "replay:"
 
 
 class PolicySpecError(ValueError):
@@ -73,3 +80,75 @@ async def open_policy(
     assert source.model_dir is not None  # _one_source: no url, so a model_dir
     model = AutoModelForCausalLM.from_pretrained(source.model_dir)
     yield HFPolicy(model, tokenizer.eos_token_id, seed=sampler_seed), tokenizer
+
+
+def is_scripted(spec: str) -> bool:
+    """Whether --policy names a scripted SWE agent (gold, empty, replay:FILE)."""
+    return spec in SCRIPTED_POLICIES or spec.startswith(REPLAY_PREFIX)
+
+
+def replay_path(spec: str) -> Path | None:
+    """The file of `replay:FILE` (None for other policies)."""
+    if not spec.startswith(REPLAY_PREFIX):
+        return None
+    path = spec.removeprefix(REPLAY_PREFIX)
+    if not path:
+        raise PolicySpecError("--policy replay:FILE needs the file (a JSONL of actions)")
+    return Path(path)
+
+
+def scripted_policy_factory(
+    spec: str,
+    tasks: Iterable[Task],
+    reference_patch: Callable[[Task], str],
+    tokenizer_spec: str | None,
+    models_dir: Path,
+    seed: int,
+    tool_call_format: ToolCallFormat,
+) -> Callable[[], contextlib.AbstractAsyncContextManager[tuple[Policy, Any]]]:
+    """Opens (ScriptedSWEPolicy, tokenizer) for `spec`; the scripts are made (a replay
+    file read) here, before anything runs. The tokenizer: --tokenizer's, or the factory's
+    (its ids never reach a model; any tokenizer with a chat template works)."""
+    from rollout.harness.swe_scripts import (
+        ScriptedSWEPolicy,
+        gold_scripts,
+        load_replay,
+        submit,
+    )
+
+    unscripted: dict[str, str] = {}
+    scripts: dict[str, list[Message]]
+    if spec == "gold":
+        scripts, unscripted = gold_scripts(tasks, reference_patch)
+    elif spec == "empty":
+        scripts = {task.task_id: [submit()] for task in tasks}
+    else:
+        path = replay_path(spec)
+        if path is None:
+            raise PolicySpecError(f"--policy {spec!r} is not a scripted policy")
+        scripts = load_replay(path)
+        unscripted = dict.fromkeys(
+            (task.task_id for task in tasks if task.task_id not in scripts),
+            f"{path} has no line for this instance",
+        )
+    name = spec.partition(":")[0]
+
+    @contextlib.asynccontextmanager
+    async def factory() -> AsyncIterator[tuple[Policy, Any]]:
+        tokenizer = _scripted_tokenizer(tokenizer_spec, models_dir, seed)
+        renderer = ChatRenderer(tokenizer, tool_call_format=tool_call_format)
+        yield ScriptedSWEPolicy(name, renderer, scripts, unscripted), tokenizer
+
+    return factory
+
+
+def _scripted_tokenizer(tokenizer_spec: str | None, models_dir: Path, seed: int) -> Any:
+    if tokenizer_spec is None:
+        from slime_ext.local.factory import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    from slime_ext.local.run_config import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(tokenizer_spec, models_dir, seed))

@@ -4,11 +4,15 @@
 runner (`concurrency` trajectories at once, a progress bar), appends each record to
 `results.jsonl` the moment its trajectory is graded (and the trajectory itself to
 `trajectories.jsonl`), so a run killed midway loses only the trajectories in flight.
+Files an episode reports (`details()["files"]`: name -> text, e.g. a SWE grade's test
+log) go to `instances/<benchmark>/<instance_id>/` instead of the JSONL files; the
+record keeps that folder as `details["files_dir"]`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,6 +23,8 @@ from rollout.trajectory import Task, Trajectory, write_jsonl
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
 PREDICTIONS_DIR = "predictions"
+INSTANCES_DIR = "instances"
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._+=@-]")
 
 
 class EvalJob(NamedTuple):
@@ -55,6 +61,7 @@ async def evaluate(
     records: list[EvalRecord | None] = [None] * len(jobs)
 
     def save(position: int, trajectory: Trajectory) -> None:
+        file_episode_files(store.run_dir, jobs[position], trajectory)
         if keep_trajectories:
             write_jsonl(trajectories_path, [trajectory])
         record = record_of(jobs[position].benchmark, trajectory, temperature)
@@ -68,6 +75,32 @@ async def evaluate(
         description="evaluating",
     )
     return [record for record in records if record is not None]
+
+
+def instance_dir(benchmark: str, instance_id: str, sample: int) -> Path:
+    """Where an instance's files go, relative to the run directory (sample k > 0:
+    `<instance_id>.sample<k>`); names are kept to characters safe in a path."""
+    name = instance_id if sample == 0 else f"{instance_id}.sample{sample}"
+    parts = [_UNSAFE_NAME.sub("_", part).lstrip(".") or "_" for part in (benchmark, name)]
+    return Path(INSTANCES_DIR, *parts)
+
+
+def file_episode_files(run_dir: Path, job: EvalJob, trajectory: Trajectory) -> None:
+    """Write the files in the trajectory's `metadata["episode"]["files"]` to the job's
+    instance folder, leaving that folder (relative) as `files_dir` in their place."""
+    episode = (trajectory.metadata or {}).get("episode")
+    if not isinstance(episode, dict) or not isinstance(episode.get("files"), dict):
+        return
+    files: dict[str, str] = episode.pop("files")
+    relative = instance_dir(job.benchmark, job.task.task_id, job.sample)
+    folder = run_dir / relative
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.iterdir():  # a re-run instance: none of an earlier grade's files
+        if stale.is_file():
+            stale.unlink()
+    for name, text in files.items():
+        (folder / Path(name).name).write_text(text, encoding="utf-8", errors="replace")
+    episode["files_dir"] = relative.as_posix()
 
 
 def write_predictions(records: Sequence[EvalRecord], run_dir: Path, model_name: str) -> list[Path]:

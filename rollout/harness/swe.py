@@ -10,7 +10,12 @@
   submit the episode ends unsubmitted, and an unsubmitted episode's reward is 0.
 - Reward: the submission graded in a fresh sandbox by the task's family (apply it, run
   the tests, judge them: rollout.rewards). The grade is kept on the episode
-  (`episode.grade`).
+  (`episode.grade`). An empty submission is unresolved without running the tests, unless
+  `grade_empty_submissions` (the negative control of a benchmark: the tests run on the
+  unchanged repository and must fail).
+- Files (`keep_grade_files`): `details()` also carries the grade as files an evaluation
+  run keeps per instance (report.json, test_output.txt, patch.diff) and the counts of
+  FAIL_TO_PASS / PASS_TO_PASS tests that passed.
 
 A task kind maps to an `SWETaskFamily`, which knows the task's image, where the
 repository is, how to put it into a sandbox and how to grade a submission. Defaults:
@@ -23,6 +28,7 @@ one (default: a LocalSandbox for None, a DockerSandbox of that image otherwise;
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from collections.abc import Callable, Mapping
@@ -47,6 +53,11 @@ from sandbox.local import LocalSandbox, LocalSandboxConfig
 
 SUBMISSION_FILE = ".opd_submission.patch"
 """Where the submitted diff is written, relative to the sandbox's working directory."""
+
+GRADE_REPORT_FILE = "report.json"
+TEST_OUTPUT_FILE = "test_output.txt"
+PATCH_FILE = "patch.diff"
+"""The files of a grade (`keep_grade_files`), named as swebench's harness names its logs."""
 
 SandboxFactory = Callable[[str | None], Sandbox]
 """A new, unstarted sandbox for a task's image (None: a task without one)."""
@@ -83,7 +94,13 @@ class SWETaskFamily(Protocol):
     async def grade(
         self, task: Task, sandbox: Sandbox, model_patch: str, timeout_s: float
     ) -> SWEGrade:
-        """Judge `model_patch` in `sandbox`, a fresh one that `prepare` filled."""
+        """Judge `model_patch` in `sandbox`, a fresh one that `prepare` filled (an empty
+        patch: the tests on the unchanged repository)."""
+        ...
+
+    def reference_patch(self, task: Task) -> str:
+        """The dataset's fix of the task ('' when its row has none): what
+        `opd eval swe --policy gold` applies."""
         ...
 
 
@@ -131,6 +148,9 @@ class SWEBenchInstanceFamily:
             self.tasks.protected_paths(task),
         )
 
+    def reference_patch(self, task: Task) -> str:
+        return str(self.tasks.instance(task).get("patch") or "")
+
 
 def default_families() -> dict[str, SWETaskFamily]:
     """mini-SWE, and the spec family for SWE-bench, SWE-bench Pro and generic rows."""
@@ -161,6 +181,12 @@ class SWEHarnessConfig(BaseModel):
     """Longer outputs are shown as head + tail (half each) with a note."""
     eval_timeout_s: float = Field(default=600.0, gt=0)
     """Limit of each grading step (applying the patch, running the tests)."""
+    grade_empty_submissions: bool = False
+    """Run the tests on an empty submission too (the unchanged repository: its
+    FAIL_TO_PASS tests must fail); False: it is unresolved, 'empty patch', unrun."""
+    keep_grade_files: bool = False
+    """`details()` carries the grade's files (`files`: report.json, test_output.txt,
+    patch.diff) and test counts (`tests`), for an evaluation run to keep per instance."""
     sandbox: LocalSandboxConfig = Field(default_factory=_local_sandbox_config)
     """Settings of the local sandboxes the default factory creates for tasks without an
     image (agent and grading)."""
@@ -305,6 +331,17 @@ class SWEHarness:
         return SWEEpisode(self, task, sandbox, head.stdout.strip())
 
 
+def grade_test_counts(grade: SWEGrade) -> dict[str, dict[str, int]]:
+    """How many FAIL_TO_PASS and PASS_TO_PASS tests passed and failed."""
+    return {
+        name: {"passed": len(tests.success), "failed": len(tests.failure)}
+        for name, tests in (
+            ("FAIL_TO_PASS", grade.fail_to_pass),
+            ("PASS_TO_PASS", grade.pass_to_pass),
+        )
+    }
+
+
 def _invalid_action(turn: RecordedTurn, call: ToolCall | None) -> str | None:
     """Why the turn holds no action this harness can run (tier 1), or None."""
     if turn.error is not None:
@@ -411,7 +448,7 @@ class SWEEpisode:
     async def _grade(self) -> SWEGrade:
         if self.submission is None:
             return SWEGrade(instance_id=self.task.task_id, resolved=False, reason="no submission")
-        if not self.submission.strip():
+        if not self.submission.strip() and not self.harness.config.grade_empty_submissions:
             return SWEGrade(instance_id=self.task.task_id, resolved=False, reason="empty patch")
         family = self.harness.family(self.task)
         # A fresh sandbox: nothing the agent left outside its diff reaches the tests.
@@ -425,15 +462,31 @@ class SWEEpisode:
 
     def details(self) -> dict[str, Any]:
         """The submitted patch, the bash actions run, and after `reward` the grade's
-        reason and outcome (the test log stays on `grade`)."""
+        reason and outcome (the test log stays on `grade`; with `keep_grade_files` it
+        comes as `files` too)."""
         details: dict[str, Any] = {"answer": self.submission, "tool_calls": self.tool_calls}
-        if self.grade is not None:
-            details |= {
-                "reason": self.grade.reason,
-                "resolved": self.grade.resolved,
-                "patch_applied": self.grade.patch_applied,
-            }
+        if self.grade is None:
+            return details
+        details |= {
+            "reason": self.grade.reason,
+            "resolved": self.grade.resolved,
+            "patch_applied": self.grade.patch_applied,
+        }
+        if self.harness.config.keep_grade_files:
+            details |= {"tests": grade_test_counts(self.grade), "files": self._grade_files()}
         return details
+
+    def _grade_files(self) -> dict[str, str]:
+        """report.json (the grade: FAIL_TO_PASS / PASS_TO_PASS tests that passed and
+        failed, every test's status), the grader's raw log, the submitted patch."""
+        assert self.grade is not None
+        report = self.grade.model_dump(mode="json", exclude={"log"})
+        files = {GRADE_REPORT_FILE: json.dumps(report, indent=2) + "\n"}
+        if self.grade.log:
+            files[TEST_OUTPUT_FILE] = self.grade.log
+        if self.submission:
+            files[PATCH_FILE] = self.submission
+        return files
 
     async def close(self) -> None:
         await self.sandbox.close()

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from rollout.rewards.swe import SWEGrade, UnknownRepoError, grade_patch, parser_name_for_repo
 from rollout.rewards.swe_pro import PRO_WORKSPACE, grade_pro_patch, load_run_scripts
+from rollout.tasks.swe_eval_scripts import MAKE_THEM
 from rollout.tasks.swe_spec import SWETaskSpec
 from sandbox.base import Sandbox, SandboxError
 
@@ -120,8 +121,8 @@ class SWEBenchGrader:
         if not (spec.eval_script or "").strip():
             raise GradingSetupError(
                 f"{spec.instance_id}: swebench grading needs the row's eval_script (swebench 5 "
-                "datasets carry one; older rows need it added), or give the row a "
-                "test_command and grading 'script'"
+                f"datasets carry one): {MAKE_THEM}; or give the row a test_command and "
+                "grading 'script'"
             )
         _check_log_parser(spec, spec.log_parser)
 

@@ -8,7 +8,9 @@ One result type (`SWEGrade`) for two entry points that share the grading code:
   the repository at its base commit: apply the model's patch (`apply_patch`: swebench's
   chain of apply commands), refuse it if it touches protected paths (mini-SWE: the
   tests), run the instance's eval script (which applies the test patch and runs the
-  tests), then `grade_log` on what it printed.
+  tests), then `grade_log` on what it printed. An empty patch is not applied: the tests
+  run on the base commit (the negative control of `opd eval swe --policy empty`; the
+  harness does not grade empty submissions otherwise).
 
 The graders of every grading kind (swebench, SWE-bench Pro, test scripts) are in
 rollout.rewards.graders; they share `SWEGrade`.
@@ -37,6 +39,7 @@ SCRATCH_DIR = ".opd_eval"
 """Where grading files go, relative to the sandbox's working directory (outside the repo)."""
 APPLIED = ">>>>> Applied Patch"
 APPLY_FAILED = ">>>>> Patch Apply Failed"
+NOTHING_APPLIED = "(an empty patch: nothing applied, the tests run on the base commit)"
 
 
 class UnknownRepoError(KeyError):
@@ -238,10 +241,13 @@ async def run_eval(
 ) -> EvalRun:
     """Apply `model_patch` to the repository at `repo_dir` and run `eval_script`, as
     swebench's run_instance does in a container; `sandbox` must hold the repository at
-    its base commit and nothing else of the episode."""
-    applied, apply_output = await apply_patch(
-        sandbox, model_patch, repo_dir, timeout_s, scratch_dir=scratch_dir
-    )
+    its base commit and nothing else of the episode. An empty `model_patch` is not
+    applied: the tests run on the base commit."""
+    applied, apply_output = True, NOTHING_APPLIED
+    if model_patch.strip():
+        applied, apply_output = await apply_patch(
+            sandbox, model_patch, repo_dir, timeout_s, scratch_dir=scratch_dir
+        )
     if not applied:
         return EvalRun(applied=False, apply_output=apply_output)
     touched = await _protected_changes(sandbox, repo_dir, protected_paths, timeout_s)
@@ -283,11 +289,10 @@ async def grade_patch(
     timeout_s: float,
     protected_paths: Sequence[str] = (),
 ) -> SWEGrade:
-    """Run the evaluation of `model_patch` in `sandbox` and grade it."""
+    """Run the evaluation of `model_patch` in `sandbox` and grade it (an empty patch:
+    the tests on the base commit)."""
     test_spec = await asyncio.to_thread(swebench_test_spec, instance)
     instance_id = test_spec.instance_id
-    if not model_patch.strip():
-        return SWEGrade(instance_id=instance_id, resolved=False, reason="empty patch")
     run = await run_eval(
         sandbox, model_patch, test_spec.eval_script, repo_dir, timeout_s, protected_paths
     )

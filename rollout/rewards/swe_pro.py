@@ -36,6 +36,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from rollout.rewards.swe import (
+    NOTHING_APPLIED,
     SCRATCH_DIR,
     GradedTests,
     SWEGrade,
@@ -172,10 +173,9 @@ async def grade_pro_patch(
 ) -> SWEGrade:
     """Run SWE-bench Pro's evaluation of `model_patch` in `sandbox` (the repository at
     `spec.workdir`, at its base commit) and grade parser.py's report. `workspace_dir`
-    must be the directory `spec.test_command` names (Pro's: /workspace)."""
+    must be the directory `spec.test_command` names (Pro's: /workspace). An empty patch is
+    not applied: the tests run on the base commit."""
     instance_id = spec.instance_id
-    if not model_patch.strip():
-        return SWEGrade(instance_id=instance_id, resolved=False, reason="empty patch")
     workspace, repo = shlex.quote(workspace_dir), spec.workdir
     for name, text in (("run_script.sh", scripts.run_script), ("parser.py", scripts.parser)):
         await sandbox.write_file(f"{scratch_dir}/{name}", text.encode())
@@ -195,9 +195,16 @@ async def grade_pro_patch(
         await sandbox.exec(
             f"git reset -q --hard {base} && git checkout -q {base}", timeout_s, cwd=repo
         )
-    applied, apply_output = await apply_patch(
-        sandbox, strip_binary_hunks(model_patch), repo, timeout_s, PRO_APPLY_COMMANDS, scratch_dir
-    )
+    applied, apply_output = True, NOTHING_APPLIED
+    if model_patch.strip():
+        applied, apply_output = await apply_patch(
+            sandbox,
+            strip_binary_hunks(model_patch),
+            repo,
+            timeout_s,
+            PRO_APPLY_COMMANDS,
+            scratch_dir,
+        )
     if not applied:
         return SWEGrade(
             instance_id=instance_id,

@@ -59,6 +59,10 @@ class SWESpecTasks:
         """The task as a SWE-bench instance (for predictions and reports)."""
         return swebench_instance(self.spec(task))
 
+    def reference_patch(self, task: Task) -> str:
+        """The row's fix (its `patch`; '' when it has none)."""
+        return self.spec(task).gold_patch
+
     def check(self, task: Task) -> None:
         """Raise GradingSetupError (a SandboxError) when the task cannot be graded as
         given (no eval script, run scripts or log parser); cheap, no sandbox."""
