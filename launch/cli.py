@@ -170,18 +170,62 @@ def demo(
 
 
 @app.command("train")
-def train(path: ConfigPath, overrides: Overrides = None) -> None:
-    """Run a job config on this machine (recipes opd, opsd, oprd, rl, sft on the TIR harness);
-    resumes from the run directory's checkpoint when there is one. Prints a line per step
-    (loss, reverse KL or reward, tokens/s, ETA) and per checkpoint; with `-s
-    logging.eval_every_steps=N`, greedy held-out accuracy every N steps."""
+def train(
+    path: ConfigPath,
+    overrides: Overrides = None,
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh",
+            help="Start over at step 0: what the run directory holds moves to "
+            "previous-<time>/ in it (nothing is deleted; the models/ cache stays).",
+        ),
+    ] = False,
+    resume_from: Annotated[
+        int | None,
+        typer.Option(
+            "--resume-from",
+            metavar="STEP",
+            min=1,
+            help="Resume from this kept checkpoint (run_dir/checkpoints/step_<STEP>) instead "
+            "of the newest; the later checkpoints and trajectories move to previous-<time>/.",
+        ),
+    ] = None,
+    allow_changed: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-changed",
+            metavar="KEY",
+            help="Resume although this setting (section.key) differs from the run's "
+            "config.yaml; recorded there (repeatable).",
+        ),
+    ] = None,
+) -> None:
+    """Run a job config on this machine (recipes opd, opsd, oprd, rl, sft on the TIR harness).
+    Checkpoints go to run_dir/checkpoints/step_<N>/ (the newest logging.keep_checkpoints are
+    kept; run_dir/checkpoint links to the newest) and the resolved config to
+    run_dir/config.yaml. Run again, it resumes from the newest checkpoint; it refuses to
+    resume with settings that change what is trained, naming them (--fresh, another
+    logging.run_dir or --allow-changed KEY). Prints a line per step (loss, reverse KL or
+    reward, tokens/s, ETA) and per checkpoint; with `-s logging.eval_every_steps=N`, greedy
+    held-out accuracy every N steps."""
+    from slime_ext.local.checkpoints import ResumeOptions, RunDirError
     from slime_ext.local.run_config import UnsupportedLocalJob, run_local_job
 
+    if fresh and resume_from is not None:
+        raise _refuse(
+            "--fresh and --resume-from together",
+            ["--fresh starts over at step 0, --resume-from resumes a checkpoint: pass one"],
+        )
     config = _load_or_exit(path, overrides)
+    resume = ResumeOptions(fresh, resume_from, tuple(allow_changed or ()))
     try:
-        run_local_job(config, console=console)
+        run_local_job(config, console=console, resume=resume)
     except UnsupportedLocalJob as err:
         raise _refuse(f"cannot train: {path}", [str(err)]) from None
+    except RunDirError as err:
+        header, *problems = str(err).splitlines()
+        raise _refuse(header, problems) from None
 
 
 @app.command("launch")

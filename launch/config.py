@@ -355,6 +355,9 @@ class LoggingConfig(Section):
     """W&B team or user (slime's --wandb-team; `opd dashboard` needs it)."""
     log_every_steps: int = Field(default=1, ge=1)
     save_every_steps: int = Field(default=10, ge=1)
+    keep_checkpoints: int = Field(default=3, ge=1)
+    """Local trainer: checkpoints kept in run_dir/checkpoints/ (one per save step), the
+    newest; run_dir/checkpoint links to the newest."""
     save_trajectories: bool = True
     """Write every trajectory of every step to run_dir/trajectories/ as JSONL."""
     eval_every_steps: int = Field(default=0, ge=0)

@@ -82,10 +82,10 @@ def test_opd_train_into_a_pipe_prints_steps_checkpoints_and_evaluations(tmp_path
         assert float(match[2]) == pytest.approx(row["train/loss"], rel=1e-3, abs=1e-4)
         assert float(match[3]) == pytest.approx(row["rollout/opd_reverse_kl"], abs=1e-4)
         assert float(match[4]) == pytest.approx(row["rollout/reward"], abs=1e-3)
-    checkpoint = run_dir / "checkpoint"
+    checkpoints = run_dir / "checkpoints"
     assert [line for line in lines if line.startswith("checkpoint")] == [
-        f"checkpoint written: {checkpoint} (step 2/3)",
-        f"checkpoint written: {checkpoint} (step 3/3)",
+        f"checkpoint written: {checkpoints / 'step_00002'} (step 2/3)",
+        f"checkpoint written: {checkpoints / 'step_00003'} (step 3/3)",
     ]
     evals = [(i, EVAL_LINE.fullmatch(line)) for i, line in enumerate(lines)]
     [(at, match)] = [(i, match) for i, match in evals if match]

@@ -1,6 +1,6 @@
 """The embedded training loop: rollouts with the local policy and python worker, per-turn
 teacher scores from the teacher service, one update per step; metrics to JSONL and W&B;
-checkpoint and resume with the same data order.
+checkpoints and resume with the same data order (the run directory: checkpoints.py).
 
 Resume guarantees: the tasks of step s are a function of (seed, s); a step's trajectories
 are written to trajectories/step_<s>.jsonl (replaced, never appended, when a step is
@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from rollout.reminders import ReminderTeacherContext
 from rollout.runner import Runner, TeacherContext, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
+from slime_ext.local.checkpoints import ResumeOptions, open_run, write_checkpoint
 from slime_ext.local.evaluate import accuracy_metrics, correct, evaluate
 from slime_ext.local.preflight import LOCAL_RECIPES
 from slime_ext.local.progress import TrainingReport
@@ -50,7 +50,6 @@ from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from teacher_server.client import TeacherClient
 from teacher_server.snapshot_sync import refresh_steps
 
-CHECKPOINT = "checkpoint"
 StepCallback = Callable[[int, dict[str, float]], None]
 
 
@@ -142,17 +141,25 @@ def tir_harness(max_tool_calls: int = 4) -> TIRHarness:
 
 
 class LocalRun:
-    """A training run in `run_dir`, resumable from its checkpoint."""
+    """A training run in `run_dir`, resumed from its newest checkpoint (or the one `resume`
+    names, or started over); refuses a run directory that holds a run with other settings
+    (checkpoints.RunDirError)."""
 
     def __init__(
-        self, job: JobConfig, student_dir: Path, run_dir: Path, console: Console | None = None
+        self,
+        job: JobConfig,
+        student_dir: Path,
+        run_dir: Path,
+        console: Console | None = None,
+        resume: ResumeOptions | None = None,
     ) -> None:
         self.job = job
         self.run_dir = run_dir
         self.student_dir = student_dir
         self.console = console or Console()
-        checkpoint = run_dir / CHECKPOINT
-        source = checkpoint if (checkpoint / "config.json").is_file() else student_dir
+        self.start = open_run(run_dir, job, resume or ResumeOptions())
+        checkpoint = self.start.checkpoint
+        source = checkpoint if checkpoint is not None else student_dir
         self.tokenizer = AutoTokenizer.from_pretrained(source)
         self.model = AutoModelForCausalLM.from_pretrained(source).eval()
         algorithm, rollout = job.algorithm, job.rollout
@@ -182,7 +189,7 @@ class LocalRun:
         self.reminders: ReminderTeacherContext | None = None
         self.ema: dict[str, torch.Tensor] | None = None
         self.policy = HFPolicy(self.model, self.tokenizer.eos_token_id, seed=job.model.seed)
-        if (checkpoint / "trainer.pt").is_file():
+        if checkpoint is not None:
             state = torch.load(checkpoint / "trainer.pt", weights_only=False)
             self.trainer.optimizer.load_state_dict(state["optimizer"])
             # a checkpoint from before LR schedules took one optimizer step per loop step
@@ -190,7 +197,7 @@ class LocalRun:
             self.trainer.lr_schedule.load_state_dict(schedule)
             self.policy.generator.set_state(state["sampler_rng"])
             self.step = int(state["step"])
-            self._truncate_metrics(self.step)
+        self._truncate_metrics(self.step)  # steps after the checkpoint are trained again
 
     def _truncate_metrics(self, resume_step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -203,31 +210,24 @@ class LocalRun:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-    def save(self) -> None:
-        """Atomically replace the checkpoint (model, optimizer, LR schedule, sampler RNG,
-        next step)."""
-        target = self.run_dir / CHECKPOINT
-        staging = self.run_dir / f"{CHECKPOINT}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        self.model.save_pretrained(staging)
-        self.tokenizer.save_pretrained(staging)
-        torch.save(
-            {
-                "optimizer": self.trainer.optimizer.state_dict(),
-                "lr_schedule": self.trainer.lr_schedule.state_dict(),
-                "step": self.step,
-                "sampler_rng": self.policy.generator.get_state(),
-            },
-            staging / "trainer.pt",
-        )
-        if target.exists():
-            old = self.run_dir / f"{CHECKPOINT}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)
-            os.replace(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, target)
+    def save(self) -> Path:
+        """Write this step's checkpoint (model, optimizer, LR schedule, sampler RNG, next
+        step) atomically, keeping the newest logging.keep_checkpoints; returns its path."""
+
+        def write(directory: Path) -> None:
+            self.model.save_pretrained(directory)
+            self.tokenizer.save_pretrained(directory)
+            torch.save(
+                {
+                    "optimizer": self.trainer.optimizer.state_dict(),
+                    "lr_schedule": self.trainer.lr_schedule.state_dict(),
+                    "step": self.step,
+                    "sampler_rng": self.policy.generator.get_state(),
+                },
+                directory / "trainer.pt",
+            )
+
+        return write_checkpoint(self.run_dir, self.step, write, self.job.logging.keep_checkpoints)
 
     async def train(
         self,
@@ -316,11 +316,15 @@ class LocalRun:
         """The run's progress lines, opened by what it will do."""
         report = TrainingReport(self.console, recipe, self.step, total)
         rollout, every = self.job.rollout, self.job.logging.eval_every_steps
-        if self.step:
-            report.line(f"resuming {recipe} at step {self.step}/{total} from its checkpoint")
+        if self.start.checkpoint is not None:
+            report.line(
+                f"resuming {recipe} at step {self.step}/{total} from {self.start.checkpoint}"
+            )
+        for note in self.start.notes:
+            report.line(note)
         report.line(
             f"training {recipe}: {total} steps of {rollout.tasks_per_step} tasks x "
-            f"{rollout.samples_per_task} samples; metrics, trajectories and checkpoint in "
+            f"{rollout.samples_per_task} samples; metrics, trajectories and checkpoints in "
             f"{self.run_dir}"
         )
         if every and heldout is None:
@@ -419,8 +423,7 @@ class LocalRun:
             handle.write(json.dumps({"step": self.step, **metrics}) + "\n")
         self.step = done
         if self.step % job.logging.save_every_steps == 0 or self.step == job.algorithm.steps:
-            self.save()
-            report.checkpoint(self.run_dir / CHECKPOINT, self.step)
+            report.checkpoint(self.save(), self.step)
         return metrics
 
     async def _update_self_teacher(

@@ -4,7 +4,7 @@ terminal's scrollback does:
 
 step 2/3  loss 0.02383  reverse_kl 0.0238  reward 0.000  tokens/s 79  elapsed 3s  eta 2s
 eval after step 2/3: held-out accuracy 12.5% [2.2%, 47.1%] (n=8, 2 s)
-checkpoint written: runs/tiny/checkpoint (step 2/3)
+checkpoint written: runs/tiny/checkpoints/step_00002 (step 2/3)
 """
 
 from __future__ import annotations

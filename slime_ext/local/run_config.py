@@ -1,5 +1,6 @@
 """`opd train CONFIG.yaml` on one machine: resolve the models, start the embedded teacher
-when the job asks for one, run the local loop (resuming from the run directory)."""
+when the job asks for one, run the local loop (resuming from the run directory, or
+starting it over: checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers.utils import logging as hf_logging
 from launch.config import JobConfig
 from launch.runtime import teacher_in_process
 from rollout.tasks.arithmetic import make_tasks
+from slime_ext.local.checkpoints import ResumeOptions
 from slime_ext.local.evaluate import heldout_tasks
 from slime_ext.local.factory import materialize
 from slime_ext.local.loop import LocalRun, embedded_teacher
@@ -74,7 +76,11 @@ def teacher_url(job: JobConfig, run_dir: Path) -> Iterator[tuple[str | None, str
         yield url, None
 
 
-def run_local_job(job: JobConfig, console: Console | None = None) -> list[dict[str, Any]]:
+def run_local_job(
+    job: JobConfig, console: Console | None = None, resume: ResumeOptions | None = None
+) -> list[dict[str, Any]]:
+    """Train `job` in its logging.run_dir; RunDirError (before anything is trained) when
+    that directory holds a run with other settings or lacks the checkpoint to resume."""
     check_local_job(job)  # what `opd config validate` checks for `opd train`
     hf_logging.disable_progress_bar()  # a bar per checkpoint save, as \r noise in a log
     run_dir = Path(job.logging.run_dir)
@@ -82,8 +88,8 @@ def run_local_job(job: JobConfig, console: Console | None = None) -> list[dict[s
     student_dir = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)
     tasks = make_tasks(TRAIN_TASKS, "train", seed=job.model.seed)
     heldout = heldout_tasks(job.logging.eval_problems) if job.logging.eval_every_steps else None
+    run = LocalRun(job, student_dir, run_dir, console, resume)  # refuses before W&B starts
     logger = WandbLogger(job, run_dir, name=run_dir.name)
-    run = LocalRun(job, student_dir, run_dir, console)
     try:
         with teacher_url(job, run_dir) as (url, api_key):
             return asyncio.run(
