@@ -4,6 +4,7 @@ metric it plots is a key our code logs."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ import pytest
 import wandb
 import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
+from rich.console import Console
 
 from launch.config import JobConfig
 from launch.dashboard import (
@@ -34,6 +36,7 @@ from rollout.runner import Runner, RunnerConfig
 from rollout.trajectory import Task, Trajectory, TrajectoryStatus
 from slime_ext.local.factory import build_model
 from slime_ext.local.loop import LocalRun
+from slime_ext.local.progress import TrainingReport
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 from slime_ext.slime import loss as slime_loss
 from slime_ext.slime.metrics import sample_metrics
@@ -244,7 +247,9 @@ def test_local_loop_logs_every_plotted_metric_but_slimes_own(
     model = build_model("qwen3-tiny", factory_tokenizer, seed=2)
     run.trainer = LocalTrainer(model, TrainerConfig())
     (tmp_path / "trajectories").mkdir()
-    metrics = asyncio.run(run._one_step(ReplayRunner(rollouts), TASKS, "opd"))  # type: ignore[arg-type]
+    report = TrainingReport(Console(file=io.StringIO()), "opd", 0, 1)
+    step = run._one_step(ReplayRunner(rollouts), TASKS, "opd", report, None)  # type: ignore[arg-type]
+    metrics = asyncio.run(step)
     assert set(KEYS) >= CLUSTER_ONLY
     missing = [key for key in KEYS if key not in CLUSTER_ONLY and not _logs(key, metrics)]
     assert missing == []
