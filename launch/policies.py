@@ -71,7 +71,7 @@ async def open_policy(
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     if source.url is not None:
-        sglang = SGLangPolicy(source.url, max_concurrency=concurrency)
+        sglang = SGLangPolicy(source.url, max_concurrency=concurrency, seed=sampler_seed)
         try:
             yield sglang, tokenizer
         finally:

@@ -9,6 +9,7 @@ counted, and the teacher scores without it.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -207,8 +208,13 @@ class StudentHint:
 
     async def hint(self, task: Task, attempt: str | None = None) -> str | None:
         prompt_ids = self._prompt_ids(task, attempt or "")
+        # the hint's draws follow from what it reads, not from when it is asked
+        digest = hashlib.blake2b((attempt or "").encode(), digest_size=8).hexdigest()
+        sampling = self.sampling.model_copy(
+            update={"sampling_key": f"hint/{task.task_id}/{digest}"}
+        )
         try:
-            generation = await self.policy.generate(prompt_ids, self.sampling)
+            generation = await self.policy.generate(prompt_ids, sampling)
         except PolicyError as err:
             raise HintSourceError(f"the student could not write a hint: {err}") from err
         if generation.finish_reason != "stop":  # cut off (often mid-think): not a hint

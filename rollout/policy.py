@@ -4,13 +4,22 @@ Log-probs are those of the temperature-scaled, untruncated distribution (what SG
 returns by default). They are the sampler's own only when top_p is 1 and top_k is off:
 OPD's sampled reverse KL is on-policy only then (REFERENCE.md), so OPD rollouts keep the
 defaults here unless the recipe computes student log-probs under the same truncation.
+
+Reproducibility: a request that names its random stream (`SamplingParams.sampling_key`;
+the Runner derives one from the task, the sample index and the turn) draws from a stream
+seeded by (the policy's seed, that key) alone, so what it samples does not depend on which
+requests arrived with it or in what order. HFPolicy also decodes such requests with
+shapes of their own by default (`batch_invariant`): on CPU, a row's logits change in their
+last bits with the number of rows beside it in a forward, and those bits decide a sampled
+token now and then; once one token differs, the trajectory and the run diverge.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import hashlib
 import time
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -19,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from teacher_server.api import ROUTING_HEADER, SGLANG_KEEP_ALIVE_S, routing_key
 
 FinishReason = Literal["stop", "length", "abort"]
+SGLANG_MAX_SEED = 2**31 - 1
+"""SGLang's sampling_seed stays below this (some releases hold it as int32)."""
 
 
 class PolicyError(RuntimeError):
@@ -49,6 +60,17 @@ class SamplingParams(BaseModel):
     """-1: off."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation stops after sampling one of these (it is kept in the output)."""
+    sampling_key: str | None = None
+    """Names this request's random stream: with the policy's seed it seeds the request's
+    own generator (HFPolicy) or SGLang's per-request `sampling_seed`, so the same key
+    samples the same tokens from the same logits whatever else is being generated. None:
+    the next seed of the policy's shared stream, which depends on the order of calls."""
+
+
+def request_seed(seed: int, sampling_key: str) -> int:
+    """The seed of the stream `sampling_key` names under the run seed `seed` (63 bits)."""
+    digest = hashlib.blake2b(f"{seed}\x00{sampling_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 class Generation(BaseModel):
@@ -68,8 +90,22 @@ class Policy(Protocol):
 
 
 class HFPolicy:
-    """A local transformers model. Concurrent `generate` calls are decoded together: a
-    left-padded batch sharing one KV cache, each row stopping on its own."""
+    """A local transformers model decoding what is pending in worker threads.
+
+    batch_invariant (default): each request is decoded alone, in shapes of its own, so its
+    log-probs (and, with a sampling key, its tokens) are bit for bit the same whatever else
+    was pending, on an idle or a loaded machine; `decode_threads` requests at a time, each
+    in a thread of its own (a small model's forward is mostly Python: a second thread keeps
+    a second core busy). False: requests that arrive within max_wait_s of each other are
+    decoded together, one batch at a time (left-padded, sharing one KV cache, each row
+    stopping on its own): about twice the tokens per second on `opd demo`'s rollouts
+    (bench/policy_batching.py), but a row's logits then depend on its batch mates in their
+    last bits, and so, now and then, does a sampled token.
+
+    A sampled request draws from a generator of its own: seeded by (seed, its
+    sampling_key), or, without a key, by the next draw from `generator`, the policy's
+    shared stream (call order; its state is what a checkpoint saves). Greedy requests
+    (temperature 0) take the argmax and draw nothing."""
 
     def __init__(
         self,
@@ -78,65 +114,89 @@ class HFPolicy:
         seed: int = 0,
         max_batch_size: int = 32,
         max_wait_s: float = 0.005,
+        batch_invariant: bool = True,
+        decode_threads: int = 2,
     ) -> None:
         import torch
 
+        if decode_threads < 1:
+            raise ValueError(f"decode_threads must be at least 1, not {decode_threads}")
         self.model = model.eval()
         self.eos_token_id = eos_token_id
+        self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
-        self._lock = threading.Lock()
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future[Generation]]] = []
-        self._worker: asyncio.Task[None] | None = None
+        self.batch_invariant = batch_invariant
+        self.decode_threads = decode_threads if batch_invariant else 1
+        self._pending: list[_Request] = []
+        self._workers: list[asyncio.Task[None]] = []
 
     async def generate(
         self, input_ids: list[int], params: SamplingParams, session_id: str | None = None
     ) -> Generation:
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._pending.append((input_ids, params, future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.get_running_loop().create_task(self._drain())
+        self._pending.append(_Request(input_ids, params, self._stream(params), future))
+        self._workers = [worker for worker in self._workers if not worker.done()]
+        if len(self._workers) < self.decode_threads:
+            self._workers.append(asyncio.get_running_loop().create_task(self._drain()))
         return await future
 
+    def _stream(self, params: SamplingParams) -> Any:
+        """The generator a request samples from (None for greedy), fixed when it arrives."""
+        import torch
+
+        if params.temperature == 0:
+            return None
+        if params.sampling_key is not None:
+            seed = request_seed(self.seed, params.sampling_key)
+        else:
+            seed = int(torch.randint(0, 2**63 - 1, (1,), generator=self.generator))
+        return torch.Generator(device="cpu").manual_seed(seed)
+
     async def _drain(self) -> None:
-        """Decode what is pending, a batch at a time, until nothing is."""
+        """Decode what is pending, a batch (or, batch-invariant, a request) at a time,
+        until nothing is."""
         while self._pending:
-            await asyncio.sleep(self.max_wait_s)  # let concurrent callers join the batch
-            batch = self._pending[: self.max_batch_size]
+            if self.batch_invariant:
+                batch = self._pending[:1]
+            else:
+                await asyncio.sleep(self.max_wait_s)  # let concurrent callers join the batch
+                batch = self._pending[: self.max_batch_size]
             del self._pending[: len(batch)]
             try:
-                results = await asyncio.to_thread(self._decode, [(i, p) for i, p, _ in batch])
+                results = await asyncio.to_thread(self._decode, batch)
             except Exception as err:  # every caller of the batch learns of it
-                for _, _, future in batch:
-                    if not future.done():
-                        future.set_exception(PolicyError(f"generation failed: {err}"))
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(PolicyError(f"generation failed: {err}"))
                 continue
-            for (_, _, future), result in zip(batch, results, strict=True):
-                if not future.done():
-                    future.set_result(result)
+            for request, result in zip(batch, results, strict=True):
+                if not request.future.done():
+                    request.future.set_result(result)
 
-    def _decode(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    def _decode(self, requests: list[_Request]) -> list[Generation]:
         import torch
         from transformers import DynamicCache
 
         started = time.perf_counter()
         rows = len(requests)
-        width = max(len(ids) for ids, _ in requests)
+        width = max(len(request.input_ids) for request in requests)
         outputs: list[list[int]] = [[] for _ in range(rows)]
         logprobs: list[list[float]] = [[] for _ in range(rows)]
         reasons: list[FinishReason] = ["length"] * rows
         active = [True] * rows
-        with self._lock, torch.no_grad():
+        with torch.no_grad():
             device = next(self.model.parameters()).device
             input_ids = torch.zeros((rows, width), dtype=torch.long)
             attention = torch.zeros((rows, width), dtype=torch.long)
-            for row, (ids, _) in enumerate(requests):
+            for row, request in enumerate(requests):
+                ids = request.input_ids
                 input_ids[row, width - len(ids) :] = torch.tensor(ids)
                 attention[row, width - len(ids) :] = 1
             cache = DynamicCache(config=self.model.config)
             step_ids = input_ids
-            for step in range(max(params.max_new_tokens for _, params in requests)):
+            for step in range(max(request.params.max_new_tokens for request in requests)):
                 positions = attention.cumsum(-1)[:, -step_ids.shape[1] :] - 1
                 logits = (
                     self.model(
@@ -151,10 +211,11 @@ class HFPolicy:
                     .float()
                 )
                 next_ids = torch.zeros((rows, 1), dtype=torch.long)
-                for row, (_, params) in enumerate(requests):
+                for row, request in enumerate(requests):
                     if not active[row]:
                         continue
-                    token, logprob = self._sample(logits[row], params)
+                    params = request.params
+                    token, logprob = _sample(logits[row].cpu(), params, request.generator)
                     outputs[row].append(token)
                     logprobs[row].append(logprob)
                     next_ids[row, 0] = token
@@ -172,39 +233,56 @@ class HFPolicy:
             for o, lp, r in zip(outputs, logprobs, reasons, strict=True)
         ]
 
-    def _sample(self, logits: Any, params: SamplingParams) -> tuple[int, float]:
-        import torch
 
-        if params.temperature == 0:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            token = int(logprobs.argmax())
-            return token, float(logprobs[token])
-        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-        sampling = logprobs.clone()
-        if params.top_k > 0:
-            kth = sampling.topk(min(params.top_k, sampling.numel())).values[-1]
-            sampling[sampling < kth] = float("-inf")
-        if params.top_p < 1.0:
-            ordered, order = sampling.sort(descending=True)
-            cumulative = ordered.exp().cumsum(-1)
-            drop = cumulative - ordered.exp() >= params.top_p  # keep the token that crosses
-            sampling[order[drop]] = float("-inf")
-        token = int(torch.multinomial(torch.softmax(sampling, -1), 1, generator=self.generator))
+@dataclass
+class _Request:
+    input_ids: list[int]
+    params: SamplingParams
+    generator: Any
+    """Its own torch.Generator (None: greedy)."""
+    future: asyncio.Future[Generation]
+
+
+def _sample(logits: Any, params: SamplingParams, generator: Any) -> tuple[int, float]:
+    """One token from one row of logits: the argmax at temperature 0, else a draw from
+    `generator` under top-k / top-p; and its log-prob at the temperature, untruncated."""
+    import torch
+
+    if params.temperature == 0:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token = int(logprobs.argmax())
         return token, float(logprobs[token])
+    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    sampling = logprobs.clone()
+    if params.top_k > 0:
+        kth = sampling.topk(min(params.top_k, sampling.numel())).values[-1]
+        sampling[sampling < kth] = float("-inf")
+    if params.top_p < 1.0:
+        ordered, order = sampling.sort(descending=True)
+        cumulative = ordered.exp().cumsum(-1)
+        drop = cumulative - ordered.exp() >= params.top_p  # keep the token that crosses
+        sampling[order[drop]] = float("-inf")
+    token = int(torch.multinomial(torch.softmax(sampling, -1), 1, generator=generator))
+    return token, float(logprobs[token])
 
 
 class SGLangPolicy:
     """An SGLang server's /generate with input ids; one trajectory routed to one replica
-    by its session id (`X-SMG-Routing-Key`)."""
+    by its session id (`X-SMG-Routing-Key`). A request with a sampling key is sent with
+    SGLang's per-request `sampling_seed` (from `seed` and the key), which a server started
+    with --enable-deterministic-inference honours (batch-invariant kernels, seeded
+    sampling) and any other ignores."""
 
     def __init__(
         self,
         url: str,
         *,
+        seed: int = 0,
         timeout_s: float = 600.0,
         max_concurrency: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        self.seed = seed
         self._http = httpx.AsyncClient(
             base_url=url.rstrip("/"),
             timeout=timeout_s,
@@ -221,19 +299,20 @@ class SGLangPolicy:
         self, input_ids: list[int], params: SamplingParams, session_id: str | None = None
     ) -> Generation:
         started = time.perf_counter()
-        body = {
-            "input_ids": input_ids,
-            "sampling_params": {
-                "max_new_tokens": params.max_new_tokens,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,
-                "stop_token_ids": list(params.stop_token_ids),
-                "skip_special_tokens": False,
-                "no_stop_trim": True,
-            },
-            "return_logprob": True,
+        sampling: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop_token_ids": list(params.stop_token_ids),
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
         }
+        if params.sampling_key is not None and params.temperature > 0:
+            sampling["sampling_seed"] = (
+                request_seed(self.seed, params.sampling_key) % SGLANG_MAX_SEED
+            )
+        body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
         headers = {ROUTING_HEADER: routing_key(session_id)} if session_id else {}
         try:
             response = await self._http.post("/generate", json=body, headers=headers)

@@ -13,6 +13,11 @@ Turns scored per turn or after share a teacher session (the trajectory id, so th
 reuses each turn's prefix); when the trajectory ends, however it ends, the runner deletes
 that session, best-effort: a failed delete is logged and counted in
 metadata["teacher_session_error"], never the trajectory's failure.
+
+Each generation carries a sampling key (`sampling_key`: the task, the sample index, the
+turn and, when given, the rollout step), so what a trajectory samples is a function of
+the run's seed and those, not of how many trajectories run beside it or how fast their
+tools answer.
 """
 
 from __future__ import annotations
@@ -94,6 +99,12 @@ class RunnerConfig(BaseModel):
     span once the trajectory ended; trajectory: one tree-packed request for the whole
     trajectory once it ended (hf teacher; each token computed once)."""
     teacher_top_k: int = Field(default=0, ge=0)
+
+
+def sampling_key(trajectory_id: str, turn: int, rollout_step: int | None = None) -> str:
+    """The random stream of one turn's generation (`SamplingParams.sampling_key`)."""
+    key = f"{trajectory_id}/turn-{turn}"
+    return key if rollout_step is None else f"step-{rollout_step}/{key}"
 
 
 def _ends_trajectory(error: BaseException) -> bool:
@@ -185,15 +196,18 @@ class Runner:
         samples_per_task: int = 1,
         out_jsonl: Path | None = None,
         show_progress: bool = False,
+        rollout_step: int | None = None,
     ) -> list[Trajectory]:
-        """Every (task, sample) pair once; results in input order, appended to out_jsonl."""
+        """Every (task, sample) pair once; results in input order, appended to out_jsonl.
+        `rollout_step`: which rollout of a training run this is (its step), part of every
+        sampling key, so a task drawn again in a later epoch samples afresh."""
 
         def save(_position: int, trajectory: Trajectory) -> None:
             if out_jsonl is not None:
                 write_jsonl(out_jsonl, [trajectory])
 
         jobs = [(task, index) for task in tasks for index in range(samples_per_task)]
-        return await self.run_jobs(jobs, save, show_progress)
+        return await self.run_jobs(jobs, save, show_progress, rollout_step=rollout_step)
 
     async def run_jobs(
         self,
@@ -201,6 +215,7 @@ class Runner:
         on_done: Callable[[int, Trajectory], None] | None = None,
         show_progress: bool = False,
         description: str = "rollouts",
+        rollout_step: int | None = None,
     ) -> list[Trajectory]:
         """Each (task, sample index) job once, `concurrency` at a time; `on_done(position,
         trajectory)` as each finishes (to save it before the rest are done); results in
@@ -218,7 +233,7 @@ class Runner:
 
             async def one(position: int, task: Task, index: int) -> Trajectory:
                 async with gate:
-                    trajectory = await self.run_one(task, index)
+                    trajectory = await self.run_one(task, index, rollout_step)
                 if on_done is not None:
                     on_done(position, trajectory)
                 progress.advance(bar)
@@ -230,7 +245,9 @@ class Runner:
                 )
             )
 
-    async def run_one(self, task: Task, sample_index: int = 0) -> Trajectory:
+    async def run_one(
+        self, task: Task, sample_index: int = 0, rollout_step: int | None = None
+    ) -> Trajectory:
         """One trajectory, ended with a status and a reason whatever its harness, sandbox,
         policy or teacher raise (DESIGN.md invariant 5); only a cancellation of the rollout
         itself (and KeyboardInterrupt, SystemExit) propagates, after the episode is closed."""
@@ -250,7 +267,7 @@ class Runner:
         try:
             if failure is None:
                 status, reason, reward = await asyncio.wait_for(
-                    self._episode(task, builder, episodes, scoring, views),
+                    self._episode(task, builder, episodes, scoring, views, rollout_step),
                     self.config.trajectory_timeout_s,
                 )
         except BaseException as error:
@@ -345,10 +362,11 @@ class Runner:
         episodes: list[Episode],
         scoring: list[asyncio.Task[None]],
         views: list[TeacherContext],
+        rollout_step: int | None,
     ) -> tuple[TrajectoryStatus, str, float | None]:
         episode = await self.harness.start(task)
         episodes.append(episode)
-        status, reason = await self._turns(task, builder, episode, scoring)
+        status, reason = await self._turns(task, builder, episode, scoring, rollout_step)
         reward = await episode.reward()
         if self.config.teacher_scoring == "after" and builder.turns:
             view = self.teacher_context
@@ -356,10 +374,11 @@ class Runner:
                 assert isinstance(self.teacher_context, AttemptTeacherContext)
                 view = await self.teacher_context.for_trajectory(task, builder.messages)
                 views.append(view)
-            scoring.extend(
-                asyncio.create_task(self._score(task, builder, k, view))
-                for k in range(len(builder.turns))
-            )
+            for k in range(len(builder.turns)):
+                previous = scoring[-1] if scoring else None
+                scoring.append(
+                    asyncio.create_task(self._score(task, builder, k, view, after=previous))
+                )
         await asyncio.gather(*scoring)
         return status, reason, reward
 
@@ -369,15 +388,19 @@ class Runner:
         builder: TrajectoryBuilder,
         episode: Episode,
         scoring: list[asyncio.Task[None]],
+        rollout_step: int | None,
     ) -> tuple[TrajectoryStatus, str]:
-        for _ in range(self.config.max_turns):
+        for turn in range(self.config.max_turns):
             context = builder.next_context()
             budget = min(
                 self.sampling.max_new_tokens, self.config.max_context_tokens - len(context)
             )
             if budget < 1:
                 return TrajectoryStatus.TRUNCATED, "context budget"
-            params = self.sampling.model_copy(update={"max_new_tokens": budget})
+            key = sampling_key(builder.trajectory_id, turn, rollout_step)
+            params = self.sampling.model_copy(
+                update={"max_new_tokens": budget, "sampling_key": key}
+            )
             generation = await self.policy.generate(context, params, builder.trajectory_id)
             if generation.finish_reason == "abort":  # a partial span is not a turn
                 raise GenerationAborted(
@@ -392,9 +415,12 @@ class Runner:
                 generation.model_s,
             )
             if self.config.teacher_scoring == "per_turn":
+                previous = scoring[-1] if scoring else None
                 scoring.append(
                     asyncio.create_task(
-                        self._score(task, builder, recorded.index, self.teacher_context)
+                        self._score(
+                            task, builder, recorded.index, self.teacher_context, after=previous
+                        )
                     )
                 )
             step_started = time.perf_counter()
@@ -421,10 +447,20 @@ class Runner:
         return isinstance(context, AttemptTeacherContext) and context.reads_attempt
 
     async def _score(
-        self, task: Task, builder: TrajectoryBuilder, k: int, view: TeacherContext
+        self,
+        task: Task,
+        builder: TrajectoryBuilder,
+        k: int,
+        view: TeacherContext,
+        after: asyncio.Task[None] | None = None,
     ) -> None:
-        """The teacher's log-probs of turn k's span, given the teacher's view of its context."""
+        """The teacher's log-probs of turn k's span, given the teacher's view of its context;
+        asked once `after` (the previous turn's scoring) ended, however it ended: the
+        teacher's session then always holds turn k-1 when turn k arrives, and what it
+        reuses (so the rounding of its log-probs) does not depend on request timing."""
         assert self.teacher is not None
+        if after is not None:
+            await asyncio.wait([after])
         turn = builder.turns[k]
         context = builder.turn_context_ids(k)
         teacher_context = view(task, context, builder.turns[:k])

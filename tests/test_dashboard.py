@@ -215,7 +215,9 @@ class ReplayRunner:
     def __init__(self, trajectories: list[Trajectory]) -> None:
         self.trajectories = trajectories
 
-    async def run(self, tasks: Sequence[Task], samples_per_task: int = 1) -> list[Trajectory]:
+    async def run(
+        self, tasks: Sequence[Task], samples_per_task: int = 1, rollout_step: int | None = None
+    ) -> list[Trajectory]:
         return [t.model_copy(deep=True) for t in self.trajectories]
 
 

@@ -86,8 +86,8 @@ def test_concurrent_requests_are_batched_and_equal_sequential_ones(model: Any) -
     prompts = [PROMPT, PROMPT[:3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], PROMPT[2:]]
     params = SamplingParams(max_new_tokens=7, temperature=0)
 
-    async def concurrent() -> list[Any]:
-        policy = HFPolicy(model, model.config.eos_token_id)
+    async def concurrent() -> list[Any]:  # the batched mode (the default decodes one by one)
+        policy = HFPolicy(model, model.config.eos_token_id, batch_invariant=False)
         return list(await asyncio.gather(*(policy.generate(p, params) for p in prompts)))
 
     async def sequential() -> list[Any]:

@@ -367,7 +367,8 @@ class LocalRun:
         batch = tasks_for_step(tasks, self.step, job.rollout.tasks_per_step, job.model.seed)
         if self.hints is not None:
             await self.hints.prepare(batch)
-        trajectories = await runner.run(batch, job.rollout.samples_per_task)
+        # the step is part of every sampling key: a task drawn again samples afresh
+        trajectories = await runner.run(batch, job.rollout.samples_per_task, rollout_step=self.step)
         rollout_s = time.perf_counter() - started
         path = self.run_dir / "trajectories" / f"step_{self.step:05d}.jsonl"
         path.unlink(missing_ok=True)
