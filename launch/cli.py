@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from launch.cli_help import hide_flag_types, version_callback
+from launch.cli_help import hide_flag_types, version_option
 from launch.config import ConfigError, JobConfig, config_to_yaml, load_config
 from launch.dashboard import (
     DEFAULT_NAME,
@@ -35,15 +35,7 @@ app = typer.Typer(
 
 @app.callback()
 def _root(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version",
-            callback=version_callback("opd"),
-            is_eager=True,
-            help="Print the version and exit.",
-        ),
-    ] = False,
+    version: Annotated[bool, version_option("opd")] = False,
 ) -> None:
     """Per-turn on-policy distillation for code and math agents."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -23,8 +22,9 @@ def hide_flag_types() -> None:
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
-def version_callback(program: str) -> Callable[[bool], None]:
-    """The eager `--version` option's callback: prints `program` and the package's version."""
+def version_option(program: str) -> Any:
+    """The eager `--version` option of a command group: prints `program` and the package's
+    version, then exits."""
 
     def show(asked: bool) -> None:
         if asked:
@@ -33,4 +33,6 @@ def version_callback(program: str) -> Callable[[bool], None]:
             typer.echo(f"{program} {version('opd')}")
             raise typer.Exit()
 
-    return show
+    return typer.Option(
+        "--version", callback=show, is_eager=True, help="Print the version and exit."
+    )

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, NoReturn
 
 import typer
 
-from launch.cli_help import hide_flag_types, version_callback
+from launch.cli_help import hide_flag_types, version_option
 from teacher_server.api import DEFAULT_MAX_TOP_K
 
 hide_flag_types()
@@ -28,15 +28,7 @@ FACTORY_CACHE = Path(os.environ.get("OPD_CACHE_DIR", Path.home() / ".cache" / "o
 
 @app.callback()
 def _root(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version",
-            callback=version_callback("opd-teacher"),
-            is_eager=True,
-            help="Print the version and exit.",
-        ),
-    ] = False,
+    version: Annotated[bool, version_option("opd-teacher")] = False,
 ) -> None:
     """The standalone teacher log-prob service."""
 
