@@ -150,6 +150,13 @@ def demo(
             "held-out problems (logging.eval_problems); 0: only before and after.",
         ),
     ] = 0,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Seed of the training problems' order and of every sampled token "
+            "(demo.yaml's model.seed, 0); the bundled models and held-out set stay.",
+        ),
+    ] = None,
 ) -> None:
     """The one-machine OPD demo: evaluate the bundled student, run per-turn OPD against the
     bundled teacher (served on 127.0.0.1) for a few minutes, evaluate again. A line per
@@ -157,7 +164,12 @@ def demo(
     from slime_ext.local.opd_demo import run_opd_demo
 
     run_opd_demo(
-        out, steps=steps, n_heldout=n_heldout, console=console, eval_every_steps=eval_every
+        out,
+        steps=steps,
+        n_heldout=n_heldout,
+        console=console,
+        eval_every_steps=eval_every,
+        seed=seed,
     )
 
 

@@ -44,3 +44,18 @@ def test_demo_writes_its_summary_plot_and_run(
     assert Path(summary["plot"]).stat().st_size > 1000
     assert (out / "checkpoint" / "trainer.pt").is_file()
     assert len(list((out / "trajectories").glob("step_*.jsonl"))) == 2
+
+
+def test_demo_seed_reaches_the_job_and_defaults_to_demo_yaml(tmp_path: Path) -> None:
+    from launch.cli import app
+    from slime_ext.local.opd_demo import demo_job
+
+    assert demo_job(tmp_path, steps=3).model.seed == 0
+    job = demo_job(tmp_path, steps=3, seed=2)
+    assert job.model.seed == 2 and job.algorithm.steps == 3
+    assert job.model.student == "bundled:student"  # the seed picks draws, not the models
+
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, ["demo", "--seed", "x"])
+    assert result.exit_code == 2 and "seed" in result.output

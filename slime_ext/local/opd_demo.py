@@ -48,14 +48,19 @@ def bundled_models() -> tuple[Path, Path]:
     return student, teacher
 
 
-def demo_job(run_dir: Path, steps: int, eval_every_steps: int = 0) -> JobConfig:
-    """launch/configs/demo.yaml with this run's directory, step count and evaluations."""
+def demo_job(
+    run_dir: Path, steps: int, eval_every_steps: int = 0, seed: int | None = None
+) -> JobConfig:
+    """launch/configs/demo.yaml with this run's directory, step count, evaluations and
+    (when given) seed: the order of training problems and every sampled token."""
     path = Path(str(resources.files("launch.configs").joinpath("demo.yaml")))
     overrides = [
         f"logging.run_dir={run_dir}",
         f"logging.eval_every_steps={eval_every_steps}",
         f"algorithm.steps={steps}",
     ]
+    if seed is not None:
+        overrides.append(f"model.seed={seed}")
     return load_config(path, overrides)
 
 
@@ -87,6 +92,7 @@ def run_opd_demo(
     console: Console | None = None,
     fresh: bool = True,
     eval_every_steps: int = 0,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     console = console or Console()
     hf_logging.disable_progress_bar()
@@ -97,7 +103,7 @@ def run_opd_demo(
     student_dir, teacher_dir = bundled_models()
     heldout = heldout_tasks(n_heldout)
     train_tasks = make_tasks(4000, "train", seed=1)
-    job = demo_job(out, steps, eval_every_steps)
+    job = demo_job(out, steps, eval_every_steps, seed)
     console.print(
         f"[bold]opd demo[/bold]: per-turn OPD on math TIR, {n_heldout} held-out "
         f"problems, {steps} steps of {job.rollout.tasks_per_step} problems"
@@ -129,6 +135,7 @@ def run_opd_demo(
         "opd_reverse_kl_first": history[0].get("rollout/opd_reverse_kl") if history else None,
         "opd_reverse_kl_last": history[-1].get("rollout/opd_reverse_kl") if history else None,
         "steps": len(history),
+        "seed": job.model.seed,
         "wall_s": time.perf_counter() - started,
     }
     summary["plot"] = str(_plot(history, summary, out / "demo.png"))
