@@ -183,6 +183,15 @@ class Trajectory(BaseModel):
     def num_turns(self) -> int:
         return len(self.turns)
 
+    @property
+    def ended_normally(self) -> bool:
+        """Completed or truncated: the statuses whose turns are trained on, by the local
+        trainer and on slime alike. An aborted, sandbox_error or teacher_error trajectory
+        ended on something other than the policy (a deadline, the infrastructure): its
+        turns are counted in the rollout metrics, not trained on, and kept out of RL's
+        group statistics (on slime it becomes a removed placeholder)."""
+        return self.status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
+
     def context_ids(self, k: int) -> list[int]:
         """The ids turn k's span was sampled after."""
         turn = self.turns[k]

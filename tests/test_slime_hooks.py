@@ -151,6 +151,28 @@ def _served_hook(
         yield _ServedHook(args, router, tokenizer_dir)
 
 
+@pytest.mark.parametrize("status", list(TrajectoryStatus))
+def test_both_modes_train_a_trajectory_by_one_rule(factory_tokenizer: Any, status: Any) -> None:
+    """The local trainer trains exactly the trajectories slime gets real samples of: an
+    aborted, sandbox_error or teacher_error one is a placeholder there and left out here."""
+    from types import SimpleNamespace
+
+    from slime_ext.local.loop import LocalRun
+
+    [trajectory, *_] = _scripted(factory_tokenizer)
+    trajectory.status, trajectory.status_reason = status, f"ended: {status.value}"
+    on_slime = [
+        not sample.metadata[METADATA_KEY].get("placeholder", False)
+        for sample in to_samples(trajectory, _base(1), "kl")
+    ]
+    run = SimpleNamespace(job=config_from_dict({}))
+    for recipe in ("opd", "rl", "sft"):
+        local = LocalRun._trainable(run, [trajectory], recipe)  # type: ignore[arg-type]
+        assert bool(local) == all(on_slime) == trajectory.ended_normally, recipe
+    normal = status in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
+    assert trajectory.ended_normally == normal
+
+
 def test_per_turn_samples_are_context_plus_span_with_tier_masks(factory_tokenizer: Any) -> None:
     [mul, half, _] = _scripted(factory_tokenizer)
     assert half.turns[0].mask_tier is MaskTier.INVALID_ACTION  # no tool call

@@ -473,8 +473,9 @@ class LocalRun:
             self.trainer.self_teacher.model.load_state_dict(snapshot.state_dict())
 
     def _trainable(self, trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:
-        """Trajectories that carry a training signal; the rest are counted in metrics."""
-        usable = [t for t in trajectories if t.turns]
+        """Trajectories that carry a training signal, by the rule slime's samples follow
+        (`Trajectory.ended_normally`); the rest are counted in metrics."""
+        usable = [t for t in trajectories if t.turns and t.ended_normally]
         scored = recipe in ("opd", "opsd") or (
             recipe == "oprd" and not teacher_in_process(self.job)  # else the trainer scores
         )

@@ -40,7 +40,7 @@ def to_samples(
     `teacher_top_k` > 0: every sample also carries the teacher's top-k rows
     (`slime_ext.slime.topk`), k wide."""
     k = teacher_top_k if with_teacher else 0
-    if trajectory.status not in (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED):
+    if not trajectory.ended_normally:
         return [placeholder(trajectory, base, trajectory.status_reason, with_teacher, k)]
     if not trajectory.turns:
         return [placeholder(trajectory, base, "no turns", with_teacher, k)]
