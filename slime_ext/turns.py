@@ -223,9 +223,17 @@ def pack_trajectory(trajectory: Trajectory) -> PackedSequence:
     return pack(trajectory.trunk_ids, trajectory.turns)
 
 
-def pack(trunk_ids: Sequence[int], turns: Sequence[PackableTurn]) -> PackedSequence:
+def pack(
+    trunk_ids: Sequence[int], turns: Sequence[PackableTurn], stems: bool = False
+) -> PackedSequence:
     """The trunk (cut to what some turn needs), then a branch per turn whose span the trunk
-    does not already hold right after its context."""
+    does not already hold right after its context.
+
+    `stems`: a branch without a drifted suffix starts with a copy of its context's last
+    token (at that token's position, seeing the trunk before it: the same hidden state),
+    so every span token is predicted by the position right before it in the sequence, the
+    layout of a causal LM's shifted labels (slime's samples, `slime_ext.slime.packed`);
+    one token more per such branch."""
     in_trunk = [_span_in_trunk(trunk_ids, turn) for turn in turns]
     trunk_len = max(
         (
@@ -245,18 +253,19 @@ def pack(trunk_ids: Sequence[int], turns: Sequence[PackableTurn]) -> PackedSeque
         if held:  # the trunk holds the span right after its context (think kept)
             rows += list(range(start - 1, start - 1 + len(turn.span_ids)))
             continue
-        suffix = list(turn.context_suffix_ids)
+        lead = list(turn.context_suffix_ids)
+        if not lead and stems:
+            lead, start = [trunk_ids[start - 1]], start - 1
         first = len(ids)
-        tokens = suffix + list(turn.span_ids)
+        tokens = lead + list(turn.span_ids)
         ids += tokens
         positions += list(range(start, start + len(tokens)))
         visible += [start] * len(tokens)
         branch += [k] * len(tokens)
         # span token j is predicted by the position before it: the context's last token
-        # (the trunk's, when there is no suffix), then the branch's own tokens
-        before_span = first + len(suffix) - 1 if suffix else start - 1
-        rows.append(before_span)
-        rows += list(range(first + len(suffix), first + len(tokens) - 1))
+        # (the trunk's, when the branch has no lead), then the branch's own tokens
+        rows.append(first + len(lead) - 1 if lead else start - 1)
+        rows += list(range(first + len(lead), first + len(tokens) - 1))
     return PackedSequence(ids, positions, visible, branch, rows)
 
 

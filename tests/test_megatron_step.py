@@ -91,14 +91,22 @@ def model_config(tp: int, cp: int, sequence_parallel: bool) -> Any:
     )  # fmt: skip
 
 
-def gpt_model(config: Any, vocab: int, packed: bool) -> Any:
+def gpt_model(config: Any, vocab: int, packed: bool, tree: bool = False) -> Any:
+    """The test GPTModel; `tree`: with our tree attention in its layer spec (and RoPE
+    moved into it: position_embedding_type none), as slime builds it from
+    `--spec slime_ext.slime.tree_attention.layer_spec`."""
     from megatron.core.models.gpt import GPTModel
 
+    from slime_ext.slime.tree_attention import Rope, with_tree_attention
     from tests.megatron_cpu import gpt_block_spec
 
+    spec = gpt_block_spec(LAYERS, packed=packed)
+    if tree:
+        spec = with_tree_attention(spec, Rope())
     return GPTModel(
-        config=config, transformer_layer_spec=gpt_block_spec(LAYERS, packed=packed),
-        vocab_size=vocab, max_sequence_length=1024, position_embedding_type="rope",
+        config=config, transformer_layer_spec=spec,
+        vocab_size=vocab, max_sequence_length=1024,
+        position_embedding_type="none" if tree else "rope",
         share_embeddings_and_output_weights=False,
     )  # fmt: skip
 
@@ -251,12 +259,20 @@ def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], 
 
 
 def _train(
-    case: dict[str, Any], layout: tuple[int, int, int, bool], distributed: bool, loss_path: str
+    case: dict[str, Any],
+    layout: tuple[int, int, int, bool],
+    distributed: bool,
+    loss_path: str,
+    tree: bool = False,
+    lose_trees: bool = False,
 ) -> dict[str, Any]:
-    from slime_ext.slime import topk
+    """STEPS rollouts of slime's actor on this rank's payload; the full final parameters.
+    `tree`: the model takes tree-packed samples (slime_ext.slime.tree_attention);
+    `lose_trees`: their trees do not reach it (a negative control)."""
+    from slime_ext.slime import tree as tree_path
 
-    topk.init(args=None)  # --custom-megatron-init-path, as `opd launch` passes it
-    """STEPS rollouts of slime's actor on this rank's payload; the full final parameters."""
+    tree_path.init(args=None)  # --custom-megatron-init-path, as `opd launch` passes it
+    tree_path.TREE_ATTRIBUTE = "lost" if lose_trees else "opd_tree"
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -272,7 +288,7 @@ def _train(
     # Megatron-LM's parser owns these; Megatron's no-pipelining schedule does not read them
     args.seq_length, args.decoder_seq_length = None, None
     config = model_config(tp, cp, sp)
-    model = gpt_model(config, args.padded_vocab_size, packed=True)
+    model = gpt_model(config, args.padded_vocab_size, packed=True, tree=tree)
     load_full(model, case["initial"])
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed
@@ -485,3 +501,93 @@ def test_megatron_topk_steps_equal_the_reference_and_the_local_trainers_loss(
     for r in ranks:
         first = r["plain"]["reported"][0]
         assert KL_COEF * first["teacher_topk_kl"] == pytest.approx(local_loss, abs=TOPK_ATOL)
+
+
+@pytest.fixture(scope="module")
+def kept_and_drifted(factory_tokenizer: Any) -> list[Any]:
+    """The scripted trajectories with think kept (a trajectory is one sequence), the half
+    trajectory's second turn drifted: its context ends in 4 ids the trunk does not hold
+    there, so per turn it is a sample of its own and packed a branch with that suffix."""
+    from rollout.trajectory import Turn
+
+    kept = scripted_with_topk(factory_tokenizer, think_policy="keep")
+    half = kept[1]
+    turn = half.turns[1]
+    start = turn.context_len - 4
+    suffix = [int(x) + 1 for x in half.trunk_ids[start : turn.context_len]]
+    drifted = Turn.model_validate(
+        turn.model_dump()
+        | {"context_len": start, "context_suffix_ids": suffix, "drift": True}
+        | {"drift_reason": "a re-rendered context (test)"}
+    )
+    kept[1] = half.model_copy(update={"turns": [half.turns[0], drifted, *half.turns[2:]]})
+    return kept
+
+
+@pytest.fixture(scope="module")
+def kept_reference_run(
+    tmp_path_factory: pytest.TempPathFactory, kept_and_drifted: list[Any], factory_tokenizer: Any
+) -> dict[str, Any]:
+    path = tmp_path_factory.mktemp("kept_reference")
+    return _reference_run(path, kept_and_drifted, len(factory_tokenizer), "sampled")
+
+
+PACKED_CASES = {
+    "drop-tp2-cp2": ("drop", LAYOUTS["tp2-cp2"]),
+    "keep-drift-tp2-dp2": ("keep", LAYOUTS["tp2-dp2"]),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("think, layout", PACKED_CASES.values(), ids=PACKED_CASES.keys())
+def test_tree_packed_samples_train_as_the_per_turn_reference(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    factory_tokenizer: Any,
+    think: str,
+    layout: tuple[int, int, int, bool],
+) -> None:
+    """One tree-packed sample per trajectory (every token once: think dropped, the spans
+    are branches; think kept with a drifted turn, that turn's branch) through slime's data
+    path into Megatron's steps with the tree attention: the parameters after 3 steps equal
+    the reference's, which trains on the per-turn samples. Negative control: the same
+    samples with their trees lost on the way (plain causal attention) do not."""
+    from slime_ext.slime.samples import TREE_KEY
+
+    fixtures = ("trajectories", "reference_run") if think == "drop" else (
+        "kept_and_drifted", "kept_reference_run"
+    )  # fmt: skip
+    trajectories = request.getfixturevalue(fixtures[0])
+    reference_run = request.getfixturevalue(fixtures[1])
+    tp, cp, dp, _ = layout
+    args = recipe_args(RECIPE, tmp_path, tp, cp, len(factory_tokenizer))
+    args.max_tokens_per_gpu = MAX_TOKENS_PER_GPU
+    groups = rollout_groups(RECIPE, args, tmp_path, trajectories, layout="packed")
+    samples, boxes, _ = rollout_side(args, [groups], dp)
+    assert len(samples) == len(ROLLOUTS)  # one sample per trajectory
+    assert all(TREE_KEY in s.train_metadata for s in samples)
+    branches = [sorted({int(b) for b in s.train_metadata[TREE_KEY][1] if b >= 0}) for s in samples]
+    # think dropped: the turns with think (not the half trajectory's first); kept: the last
+    # turn (its span is not in the trunk), and the drifted turn of the half trajectory
+    expected = {"drop": {0: [0, 1, 2], 2: [0, 1], 1: [1, 2]}, "keep": {0: [2], 2: [1], 1: [1, 2]}}
+    for (which, _), tree in zip(ROLLOUTS, branches, strict=True):
+        assert tree == ([] if which == "aborted" else expected[think][int(which)]), (which, tree)
+    per_turn = sum(len(s.tokens) for s in reference_run["samples"] if not s.remove_sample)
+    packed = sum(len(s.tokens) for s in samples if not s.remove_sample)
+    assert packed < per_turn
+    loss = "slime_ext.slime.loss.loss"
+    runs = {
+        "packed": {"distributed": False, "loss_path": loss, "tree": True},
+        "trees_lost": {"distributed": False, "loss_path": loss, "tree": True, "lose_trees": True},
+    }
+    torch.save(
+        {"args": args, "boxes": boxes, "initial": reference_run["initial"], "runs": runs},
+        tmp_path / "case.pt",
+    )
+    ranks = run_ranks(_rank, tp * cp * dp, layout, tmp_path)
+    final = reference_run["final"]
+    for r in ranks:
+        error = max(float((r["packed"]["final"][k] - final[k]).abs().max()) for k in final)
+        assert error < ATOL, error
+        lost = max(float((r["trees_lost"]["final"][k] - final[k]).abs().max()) for k in final)
+        assert lost > 100 * ATOL, lost

@@ -129,9 +129,16 @@ def job_dict(
 # --- samples, as the generate hook and the SFT rollout give them --------------------------
 
 
-def rollout_groups(recipe: str, args: Any, tmp_path: Path, trajectories: list[Any]) -> list[Any]:
+def rollout_groups(
+    recipe: str,
+    args: Any,
+    tmp_path: Path,
+    trajectories: list[Any],
+    layout: str = "per_turn",
+) -> list[Any]:
     """What slime's generate_rollout returns for one rollout step: groups of per-rollout
-    lists of real slime Samples, made by our hooks' code."""
+    lists of real slime Samples, made by our hooks' code (`layout` packed: one tree-packed
+    sample per trajectory)."""
     from slime.utils.types import Sample
 
     from slime_ext.slime.generate import loss_kind
@@ -163,6 +170,7 @@ def rollout_groups(recipe: str, args: Any, tmp_path: Path, trajectories: list[An
             loss_kind=loss_kind(recipe, trajectory),
             with_teacher=recipe in ("opd", "opsd", "oprd"),
             teacher_top_k=job.teacher.top_k if job.needs_teacher_topk else 0,
+            layout=layout,  # type: ignore[arg-type]
         )
         groups[group].append(samples)
     return [list(groups.values())]
@@ -483,12 +491,12 @@ def trajectories(factory_tokenizer: Any) -> list[Any]:
     return scripted_with_topk(factory_tokenizer)
 
 
-def scripted_with_topk(factory_tokenizer: Any) -> list[Any]:
+def scripted_with_topk(factory_tokenizer: Any, think_policy: str = "drop") -> list[Any]:
     """test_slime_hooks' scripted trajectories (0 mul, 1 half, 2 wrong), every turn also
     carrying a teacher top-k of TOP_K ids (the top of a random distribution)."""
     from tests.test_slime_hooks import _scripted
 
-    scripted = _scripted(factory_tokenizer)
+    scripted = _scripted(factory_tokenizer, think_policy)
     assert [t.reward for t in scripted][::2] == [1.0, 0.0]  # mul succeeds, wrong fails
     generator = torch.Generator().manual_seed(7)
     for trajectory in scripted:  # as if the teacher had also given its top-k

@@ -19,6 +19,7 @@ from slime.utils.types import Sample  # noqa: E402
 
 from rollout.trajectory import TrajectoryStatus  # noqa: E402
 from slime_ext.slime import topk  # noqa: E402
+from slime_ext.slime.extend import before, require_source, wrap  # noqa: E402
 from slime_ext.slime.samples import to_samples  # noqa: E402
 from slime_ext.slime.settings import HookConfigError  # noqa: E402
 
@@ -122,13 +123,35 @@ def test_wrappers_are_installed_once_and_checked_against_slimes_code() -> None:
         (model, "get_batch"),
         (train_metric_utils, "log_rollout_data"),
     ]:
-        assert getattr(getattr(module, name), topk._WRAPPED) is not None
+        assert topk.TAG in extension_tags(getattr(module, name))
 
     def step_without_the_call() -> None:
         """a slime whose step fetches its batch some other way"""
 
     with pytest.raises(HookConfigError, match="SLIME_COMMIT"):
-        topk._require_source(step_without_the_call, ("get_batch(",), "train_one_step")
+        require_source(step_without_the_call, ("get_batch(",), "train_one_step", topk._drifted)
+
+
+def extension_tags(function: Any) -> list[str]:
+    """The tags of the extensions whose wrappers chain into `function`."""
+    tags = []
+    while function is not None:
+        if hasattr(function, "__opd_extension__"):
+            tags.append(function.__opd_extension__)
+        function = getattr(function, "__opd_wraps__", None)
+    return tags
+
+
+def test_two_extensions_chain_their_wrappers_and_each_wraps_once() -> None:
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+    module = SimpleNamespace(__name__="fake", step=lambda data: calls.append("slime"))
+    for _ in range(3):
+        for tag in ("a", "b"):
+            wrap(module, "step", before(lambda data, t=tag: calls.append(t)), tag, topk._drifted)
+    module.step({})
+    assert calls == ["b", "a", "slime"] and extension_tags(module.step) == ["b", "a"]
 
 
 def test_train_side_wrappers_add_and_hide_only_our_keys() -> None:

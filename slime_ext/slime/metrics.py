@@ -10,8 +10,13 @@ a summary), into `rollout_extra_metrics`, which slime's default logging then wri
 the same W&B call; it returns False so that logging still runs. OPSD's hint counts are
 the run's so far (the latest); OPRD's reminder counts are the step's (each trajectory's
 own, added up), as the local trainer logs them. It also hands the step's samples to
-`slime_ext.slime.topk.record_step`: slime splits exactly this list by DP rank next, and the
-teacher's top-k rows ride that split.
+`slime_ext.slime.topk.record_step` and `slime_ext.slime.tree.record_step`: slime splits
+exactly this list by DP rank next, and the teacher's top-k rows and the packed samples'
+trees ride that split.
+
+perf/processed_tokens_per_loss_token is the local trainer's: the tokens the training
+forward runs over (every kept sample's, padding excluded) per loss-carrying token, so the
+layout's cost (per turn: every context again; tree-packed: about 1) shows in every run.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from typing import Any
 from rollout.reminders import ReminderStats
 from rollout.runner import summary_metrics
 from slime_ext.losses import masked_mean
+from slime_ext.slime import topk, tree
 from slime_ext.slime.samples import HINT_STATS_KEY, METADATA_KEY, REMINDER_STATS_KEY, rollout_id_of
-from slime_ext.slime.topk import record_step
 
 
 def log_rollout(
@@ -32,7 +37,8 @@ def log_rollout(
     rollout_extra_metrics: dict[str, Any] | None,
     rollout_time: float,
 ) -> bool:
-    record_step(samples)  # the teacher's top-k rows, for slime's DP split (topk.py)
+    topk.record_step(samples)  # the teacher's top-k rows, for slime's DP split (topk.py)
+    tree.record_step(samples)  # the trees of packed samples, the same way (tree.py)
     metrics = sample_metrics(samples)
     if rollout_extra_metrics is not None:
         rollout_extra_metrics.update(metrics)
@@ -64,8 +70,8 @@ def sample_metrics(samples: list[Any]) -> dict[str, float]:
         old = kl_by_rollout.get(rid, (0.0, 0.0, 0))
         kl_by_rollout[rid] = (old[0] + kl, old[1] + above, old[2] + tokens)
     if records and not summaries:
-        return record_metrics(records)
-    metrics = summary_metrics(list(summaries.values()))
+        return record_metrics(records) | token_metrics(samples)
+    metrics = summary_metrics(list(summaries.values())) | token_metrics(samples)
     metrics["rollout/drift_turns"] = float(sum(s.get("drift_turns", 0) for s in summaries.values()))
     hint_stats: list[dict[str, float]] = [
         s[HINT_STATS_KEY] for s in summaries.values() if HINT_STATS_KEY in s
@@ -84,6 +90,18 @@ def sample_metrics(samples: list[Any]) -> dict[str, float]:
         # per trajectory, then over trajectories (invariant 7), at the rollout's log-probs
         metrics["rollout/opd_reverse_kl"] = sum(m[0] for m in means) / len(means)
         metrics["rollout/student_gt_teacher_frac"] = sum(m[1] for m in means) / len(means)
+    return metrics
+
+
+def token_metrics(samples: list[Any]) -> dict[str, float]:
+    """perf/processed_tokens, perf/loss_tokens and their ratio over the samples slime
+    trains (removed placeholders left out)."""
+    kept = [s for s in samples if not s.remove_sample]
+    processed = sum(len(s.tokens) for s in kept)
+    loss = sum(sum(s.loss_mask) if s.loss_mask is not None else s.response_length for s in kept)
+    metrics = {"perf/processed_tokens": float(processed), "perf/loss_tokens": float(loss)}
+    if loss:
+        metrics["perf/processed_tokens_per_loss_token"] = processed / loss
     return metrics
 
 

@@ -1,5 +1,6 @@
 """A Trajectory -> slime Samples: one per turn (think dropped), or one per trajectory
-(think kept), or a removable placeholder when the trajectory did not end normally.
+(think kept), or, tree-packed, one per trajectory whatever the think policy (every token
+once: `packed_sample`), or a removable placeholder when the trajectory did not end normally.
 
 Samples are copies of the Sample slime handed to the generate hook (`dataclasses.replace`),
 so this module never imports slime and keeps whatever fields slime adds. Every sample of
@@ -12,17 +13,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from rollout.masking import loss_mask_for
 from rollout.runner import trajectory_summary
 from rollout.trajectory import Trajectory, TrajectoryStatus
 from slime_ext.slime.topk import TOPK_KEY, TopKError, TopKRows, filler, rows_from_turn
-from slime_ext.turns import LossKind
+from slime_ext.turns import Layout, LossKind, PackedSequence, pack
 
 METADATA_KEY = "opd"
 """Sample.metadata[METADATA_KEY]: what our metrics read back (trajectory and turn)."""
 HINT_STATS_KEY = "hint_stats"
 """OPSD: the generate hook's hint counts (rollout/hint_*, since the run started) when the
 trajectory finished; the rollout log reports the latest of a step's samples."""
+TREE_KEY = "opd_tree"
+"""sample.train_metadata[TREE_KEY] (packed layout): int32 [3, len(tokens)], each token's
+position, branch (-1 on the trunk) and visible trunk length (`PackedSequence`), what the
+tree attention reads (`slime_ext.slime.tree`)."""
 REMINDER_STATS_KEY = "reminder_stats"
 """OPRD: the reminder counts of the trajectory's own teacher contexts (ReminderStats as a
 dict); the rollout log adds up a step's trajectories."""
@@ -35,21 +43,33 @@ def to_samples(
     train_kl_on_invalid: bool = True,
     with_teacher: bool = True,
     teacher_top_k: int = 0,
+    layout: Layout = "per_turn",
 ) -> list[Any]:
     """The samples slime trains on for one trajectory (`base` is slime's Sample).
     `teacher_top_k` > 0: every sample also carries the teacher's top-k rows
-    (`slime_ext.slime.topk`), k wide."""
+    (`slime_ext.slime.topk`), k wide. `layout` packed: one tree-packed sample, every
+    sample (placeholders too) carrying its tree (TREE_KEY)."""
     k = teacher_top_k if with_teacher else 0
+
+    def removed(reason: str) -> list[Any]:
+        sample = placeholder(trajectory, base, reason, with_teacher, k)
+        if layout == "packed":
+            sample = _with_tree(sample, causal_tree(len(sample.tokens)))
+        return [sample]
+
     if not trajectory.ended_normally:
-        return [placeholder(trajectory, base, trajectory.status_reason, with_teacher, k)]
+        return removed(trajectory.status_reason)
     if not trajectory.turns:
-        return [placeholder(trajectory, base, "no turns", with_teacher, k)]
+        return removed("no turns")
     if with_teacher and any(turn.teacher_logprobs is None for turn in trajectory.turns):
-        return [placeholder(trajectory, base, "a turn has no teacher scores", with_teacher, k)]
+        return removed("a turn has no teacher scores")
     try:
         topk = [_turn_topk(turn, k) for turn in trajectory.turns] if k else None
     except TopKError as err:
-        return [placeholder(trajectory, base, f"teacher top-k: {err}", with_teacher, k)]
+        return removed(f"teacher top-k: {err}")
+    if layout == "packed":
+        packed = packed_sample(trajectory, base, loss_kind, train_kl_on_invalid, with_teacher)
+        return [_with_topk(packed, _packed_topk(trajectory, topk, k)) if topk else packed]
     if trajectory.think_policy == "keep":
         whole = _one_sequence(trajectory, base, loss_kind, train_kl_on_invalid, with_teacher)
         if whole is not None:
@@ -81,6 +101,86 @@ def _spread(trajectory: Trajectory, whole: Any, topk: list[TopKRows], k: int) ->
         rows.ids[start : start + turn_rows.ids.shape[0]] = turn_rows.ids
         rows.logprobs[start : start + turn_rows.ids.shape[0]] = turn_rows.logprobs
     return rows
+
+
+def packed_sample(
+    trajectory: Trajectory,
+    base: Any,
+    loss_kind: LossKind,
+    train_kl_on_invalid: bool,
+    with_teacher: bool,
+) -> Any:
+    """The trajectory as one sample: `pack(..., stems=True)`'s ids (the trunk, then a branch
+    per turn whose span the trunk does not hold), so that, as in any slime sample, the
+    output before each response token predicts it. The response runs from the first span
+    token to the end; loss mask, rollout and teacher log-probs are the spans' at their
+    places, 0 elsewhere (observations, stems, drifted suffixes); the tree rides in
+    train_metadata[TREE_KEY]."""
+    packed = pack(trajectory.trunk_ids, trajectory.turns, stems=True)
+    prompt = min(packed.span_rows) + 1
+    response = len(packed.ids) - prompt
+    mask, logprobs, teacher = [0] * response, [0.0] * response, [0.0] * response
+    for at, (turn, j) in zip(_span_places(packed, prompt), _span_tokens(trajectory), strict=True):
+        if packed.ids[prompt + at] != turn.span_ids[j]:
+            raise AssertionError(f"packed layout: response token {at} is not its span token")
+        mask[at] = int(loss_mask_for(turn.mask_tier, loss_kind, train_kl_on_invalid))
+        logprobs[at] = turn.logprobs[j] if turn.logprobs else 0.0
+        if turn.teacher_logprobs is not None:
+            teacher[at] = turn.teacher_logprobs[j]
+    sample = dataclasses.replace(
+        base,
+        rollout_id=rollout_id_of(base),
+        tokens=list(packed.ids),
+        response_length=response,
+        loss_mask=mask,
+        rollout_log_probs=logprobs,
+        teacher_log_probs=teacher if with_teacher else None,
+        reward=float(trajectory.reward or 0.0),
+        status=_status(trajectory, base),
+        metadata={**base.metadata, METADATA_KEY: _summary(trajectory) | {"turn": None}},
+    )
+    return _with_tree(sample, tree_rows(packed))
+
+
+def _span_places(packed: PackedSequence, prompt: int) -> list[int]:
+    """Each span token's index in the packed sample's response, turns in order."""
+    return [row + 1 - prompt for row in packed.span_rows]
+
+
+def _span_tokens(trajectory: Trajectory) -> list[tuple[Any, int]]:
+    return [(turn, j) for turn in trajectory.turns for j in range(len(turn.span_ids))]
+
+
+def _packed_topk(trajectory: Trajectory, topk: list[TopKRows], k: int) -> TopKRows:
+    """Each turn's rows at its span tokens' places in the packed response, filler elsewhere."""
+    packed = pack(trajectory.trunk_ids, trajectory.turns, stems=True)
+    prompt = min(packed.span_rows) + 1
+    rows = filler(len(packed.ids) - prompt, k)
+    ids = torch.cat([r.ids for r in topk])
+    logprobs = torch.cat([r.logprobs for r in topk])
+    where = torch.tensor(_span_places(packed, prompt), dtype=torch.long)
+    rows.ids[where] = ids
+    rows.logprobs[where] = logprobs
+    return rows
+
+
+def tree_rows(packed: PackedSequence) -> Tensor:
+    """int32 [3, L]: positions, branch, visible trunk length."""
+    return torch.tensor([packed.positions, packed.branch, packed.visible_trunk], dtype=torch.int32)
+
+
+def causal_tree(length: int) -> Tensor:
+    """The tree of a plain sequence: positions 0.., no branch, each token sees the ones
+    before it."""
+    index = torch.arange(length, dtype=torch.int32)
+    return torch.stack([index, torch.full_like(index, -1), index + 1])
+
+
+def _with_tree(sample: Any, tree: Tensor) -> Any:
+    if tree.shape != (3, len(sample.tokens)):
+        raise AssertionError(f"a tree of {tuple(tree.shape)} for {len(sample.tokens)} tokens")
+    metadata = {**(sample.train_metadata or {}), TREE_KEY: tree}
+    return dataclasses.replace(sample, train_metadata=metadata)
 
 
 def _with_topk(sample: Any, rows: TopKRows) -> Any:

@@ -29,7 +29,6 @@ Cost: k x 8 bytes per response token (int32 id, fp32 log-prob), k=32: 256 B.
 
 from __future__ import annotations
 
-import inspect
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_ext.slime.extend import before, require_source, wrap
 from slime_ext.slime.settings import HookConfigError
 
 TOPK_KEY = "opd_teacher_topk"
@@ -47,6 +47,7 @@ TOPK_IDS = "opd_teacher_topk_ids"
 TOPK_LOGPROBS = "opd_teacher_topk_logprobs"
 """The keys of a DP rank's rollout data and of the loss's batch: per sample [R, k]."""
 BATCH_KEYS = (TOPK_IDS, TOPK_LOGPROBS)
+TAG = "topk"
 _TRAIN_STEP_KEY = "teacher_log_probs"
 """The training step fetches our keys when it fetches this one (slime's forward_step)."""
 
@@ -148,12 +149,13 @@ def install_rollout_side() -> None:
     manager = rollout.RolloutManager
     split = getattr(manager, "__ray_metadata__", None)
     split_class = split.modified_class if split is not None else manager
-    _require_source(
+    require_source(
         split_class._split_train_data_by_dp,
         ('"partition": partition', "tensorize_rollout_data_for_training(rollout_data)"),
         "RolloutManager._split_train_data_by_dp",
+        _drifted,
     )
-    _wrap(rollout, "tensorize_rollout_data_for_training", _before(add_rank_rows))
+    wrap(rollout, "tensorize_rollout_data_for_training", before(add_rank_rows), TAG, _drifted)
 
 
 # 2. the Megatron ranks -------------------------------------------------------------------
@@ -170,13 +172,14 @@ def install_train_side() -> None:
     from slime.backends.megatron_utils import model
     from slime.observability import train_metric_utils
 
-    _require_source(
+    require_source(
         model.train_one_step,
         ("get_batch(", f'"{_TRAIN_STEP_KEY}"'),
         "slime.backends.megatron_utils.model.train_one_step",
+        _drifted,
     )
-    _wrap(model, "get_batch", _with_batch_keys)
-    _wrap(train_metric_utils, "log_rollout_data", _without_batch_keys)
+    wrap(model, "get_batch", _with_batch_keys, TAG, _drifted)
+    wrap(train_metric_utils, "log_rollout_data", _without_batch_keys, TAG, _drifted)
 
 
 def _with_batch_keys(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -231,45 +234,6 @@ def rows_for(
         torch.cat(picked_ids).to(device=device, dtype=torch.long),
         torch.cat(picked_logprobs).to(device=device, dtype=torch.float32),
     )
-
-
-# installing ------------------------------------------------------------------------------
-
-_WRAPPED = "__opd_topk_wraps__"
-
-
-def _before(hook: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
-    def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        def tensorize(rollout_data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            hook(rollout_data)
-            return original(rollout_data, *args, **kwargs)
-
-        return tensorize
-
-    return wrapper
-
-
-def _wrap(module: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """module.name = make(module.name), once per process."""
-    original = getattr(module, name, None)
-    if original is None or not callable(original):
-        raise HookConfigError(_drifted(f"{module.__name__}.{name}", "is gone"))
-    if getattr(original, _WRAPPED, None) is not None:
-        return
-    wrapped = make(original)
-    setattr(wrapped, _WRAPPED, original)
-    setattr(module, name, wrapped)
-
-
-def _require_source(function: Any, needles: Sequence[str], name: str) -> None:
-    """The calls our wrappers rely on are in slime's code as at the pinned commit."""
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError) as err:
-        raise HookConfigError(_drifted(name, f"has no readable source ({err})")) from err
-    missing = [needle for needle in needles if needle not in source]
-    if missing:
-        raise HookConfigError(_drifted(name, f"no longer contains {missing}"))
 
 
 def _drifted(name: str, what: str) -> str:

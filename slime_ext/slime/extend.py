@@ -1,0 +1,67 @@
+"""Wrapping slime's functions in place, for the data our hooks carry beside slime's own
+(the teacher's top-k, `topk`; the tree of packed samples, `tree`).
+
+Each extension wraps a function once per process under its own tag; several extensions
+may wrap the same function (their wrappers chain). Before wrapping, an extension checks
+that the calls it relies on are in slime's code as at the pinned commit
+(tests/slime_cpu.py SLIME_COMMIT), so a newer slime fails with the reason, not silently.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from slime_ext.slime.settings import HookConfigError
+
+_TAG = "__opd_extension__"
+_ORIGINAL = "__opd_wraps__"
+
+
+def wrap(
+    module: Any,
+    name: str,
+    make: Callable[[Callable[..., Any]], Callable[..., Any]],
+    tag: str,
+    drifted: Callable[[str, str], str],
+) -> None:
+    """module.name = make(module.name), unless an extension tagged `tag` wrapped it."""
+    current = getattr(module, name, None)
+    if current is None or not callable(current):
+        raise HookConfigError(drifted(f"{module.__name__}.{name}", "is gone"))
+    link = current
+    while link is not None:
+        if getattr(link, _TAG, None) == tag:
+            return
+        link = getattr(link, _ORIGINAL, None)
+    wrapped = make(current)
+    setattr(wrapped, _TAG, tag)
+    setattr(wrapped, _ORIGINAL, current)
+    setattr(module, name, wrapped)
+
+
+def before(hook: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
+    """A `make` for wrap: call hook(first argument) before the function."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def called(data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            hook(data)
+            return original(data, *args, **kwargs)
+
+        return called
+
+    return make
+
+
+def require_source(
+    function: Any, needles: Sequence[str], name: str, drifted: Callable[[str, str], str]
+) -> None:
+    """The calls a wrapper relies on are in slime's code."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError) as err:
+        raise HookConfigError(drifted(name, f"has no readable source ({err})")) from err
+    missing = [needle for needle in needles if needle not in source]
+    if missing:
+        raise HookConfigError(drifted(name, f"no longer contains {missing}"))
