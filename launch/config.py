@@ -324,9 +324,12 @@ class AlgorithmConfig(Section):
     oprd_support_k: int = Field(default=100, ge=1)
     """OPRD shared_support: size of the shared support U (the paper: 100)."""
     sequence_layout: Literal["auto", "packed", "per_turn"] = "auto"
-    """How the local trainer lays out a trajectory: packed (one sequence, every token once;
-    exact for full-attention models), per_turn (a sequence per turn, context recomputed),
-    or auto (packed where exact). The slime path is per turn (see README)."""
+    """How a trajectory is laid out for training: packed (one sequence, every token once;
+    exact for full-attention models), per_turn (a sequence per turn, its context
+    recomputed), or auto (packed where exact). Locally the trainer decides from the model;
+    on the cluster `opd launch` decides from the student's config.json, or its name for a
+    hybrid family, and says why (launch/sequence_layout.py); packed gives slime one
+    tree-packed sample per trajectory and Megatron the tree attention."""
 
     @model_validator(mode="after")
     def _schedule_fits_training(self) -> AlgorithmConfig:

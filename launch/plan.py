@@ -28,6 +28,7 @@ from launch.config import (
     JobConfig,
     config_to_yaml,
 )
+from launch.sequence_layout import resolve as resolve_layout
 from launch.slime_flags import (
     SAMPLED_ON_SLIME,
     TOP_P_BELOW_ONE,
@@ -216,6 +217,10 @@ def build_plan(
     """The steps in order. wait_for_job: `ray job submit` blocks until the job ends (inside
     a Slurm allocation, whose lifetime is the job's); otherwise it returns once submitted."""
     check_cluster(job)
+    layout = resolve_layout(job)  # the hooks read it from job.yaml: they and Megatron agree
+    job = job.model_copy(
+        update={"algorithm": job.algorithm.model_copy(update={"sequence_layout": layout.layout})}
+    )
     if hosts.teacher is not None:  # the service we start is the one the hooks call
         teacher = job.teacher.model_copy(
             update={"url": f"http://{hosts.teacher}:{job.teacher.port}"}
@@ -235,7 +240,10 @@ def build_plan(
     steps.append(_convert_step(job, hosts))  # before Ray holds the head's GPUs
     steps += _ray_steps(job, hosts)
     submit = _submit_command(job, hooks_yaml, run, wait_for_job)
-    steps.append(Step("submit", hosts.head, submit, note=_submit_note(job)))
+    note = "; ".join(
+        n for n in (f"sequence layout {layout.layout}: {layout.why}", _submit_note(job)) if n
+    )
+    steps.append(Step("submit", hosts.head, submit, note=note))
     return steps
 
 
@@ -427,12 +435,21 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     if not pretokenized:  # slime samples nothing for sft / ssd
         args += ["--rollout-top-p", str(rollout.top_p), "--rollout-top-k", str(rollout.top_k)]
     decaying = algorithm.lr_schedule != "constant"
+    packed = algorithm.sequence_layout == "packed"
+    # the teacher's top-k and the packed samples' trees ride slime's data path (tree.init
+    # installs both extensions on every Megatron rank)
+    extends_data = job.needs_teacher_topk or packed
+    if packed:  # the tree attention in every layer, RoPE moved into it
+        args += [
+            "--spec", f"{HOOKS}.tree_attention.layer_spec",
+            "--position-embedding-type", "none",
+        ]  # fmt: skip
     args += [
         "--custom-config-path", hooks_yaml,
         "--loss-type", "custom_loss",
         "--custom-loss-function-path", f"{HOOKS}.loss.loss",
         "--custom-rollout-log-function-path", f"{HOOKS}.metrics.log_rollout",
-        *(["--custom-megatron-init-path", f"{HOOKS}.topk.init"] if job.needs_teacher_topk else []),
+        *(["--custom-megatron-init-path", f"{HOOKS}.tree.init"] if extends_data else []),
         "--optimizer", "adam",
         # Megatron's iterations are optimizer steps, one per rollout: --global-batch-size is
         # the rollout's trajectories (slime steps per global_batch_size rollouts)

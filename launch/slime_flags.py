@@ -56,6 +56,13 @@ class RefusedFlag:
     """Whether this job and value are refused."""
 
 
+def _packed(job: JobConfig, value: str | None, given: Given) -> bool:
+    """Whether the job trains tree-packed samples (its resolved sequence layout)."""
+    from launch.sequence_layout import resolve
+
+    return resolve(job).layout == "packed"
+
+
 def _sampled(job: JobConfig, value: str | None, given: Given) -> bool:
     return job.algorithm.recipe in SAMPLED_ON_SLIME
 
@@ -202,6 +209,25 @@ REFUSED: tuple[RefusedFlag, ...] = (
             "another value would silently replace them: drop it",
         )
         for flag in PLAN_HOOKS
+    ),
+    *(
+        RefusedFlag(
+            flag,
+            "the plan sets it for tree-packed samples (algorithm.sequence_layout resolved to "
+            "packed): the tree attention in every layer's spec, RoPE applied inside it at "
+            "each token's position, the trees carried to it; another value would train "
+            "packed samples with causal attention, a silently wrong objective. Set "
+            "algorithm.sequence_layout: per_turn to use your own",
+            _packed,
+        )
+        for flag in ("--spec", "--position-embedding-type", "--custom-megatron-init-path")
+    ),
+    RefusedFlag(
+        "--custom-megatron-init-path",
+        "the plan sets it so that the teacher's top-k reaches the loss (slime_ext.slime.tree "
+        ".init installs that extension of slime's data path); another function would leave "
+        "the loss without it: drop it",
+        lambda job, value, given: job.needs_teacher_topk,
     ),
     RefusedFlag(
         "--custom-convert-samples-to-train-data-path",

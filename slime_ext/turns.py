@@ -339,14 +339,35 @@ def check_sdpa(model: Any, kernel: str) -> None:
 
 def check_packable(model: object) -> None:
     """Refuse models whose layers cannot take an arbitrary attention mask."""
-    config = getattr(model, "config", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    if any("linear" in str(kind) for kind in layer_types):
+    reason = unpackable_reason(getattr(model, "config", None))
+    if reason is not None:
         raise PackingUnsupported(
-            "this model interleaves linear-attention layers, whose recurrent state cannot "
-            "express tree branches with a mask: train it with the per-turn layout "
-            "(algorithm.sequence_layout: per_turn)"
+            f"{reason}: train it with the per-turn layout (algorithm.sequence_layout: per_turn)"
         )
+
+
+RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
+"""HF model types without attention layers (their state runs over the whole sequence)."""
+
+
+def unpackable_reason(config: object) -> str | None:
+    """Why a model (its HF config) cannot evaluate a tree-packed sequence exactly, or None:
+    every layer must be full attention (linear-attention layers, e.g. Qwen3.5's and
+    Qwen3-Next's, and sliding windows have no mask for a branch)."""
+    if config is None:
+        return None
+    text = getattr(config, "text_config", None)
+    layer_types = getattr(config, "layer_types", None) or getattr(text, "layer_types", None)
+    other = sorted({str(kind) for kind in layer_types or []} - {"full_attention"})
+    if other:
+        return (
+            f"this model has {', '.join(other)} layers, whose state or window cannot express "
+            "tree branches with a mask"
+        )
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type in RECURRENT_MODEL_TYPES:
+        return f"this model ({model_type}) is recurrent: no attention mask can express branches"
+    return None
 
 
 def packed_batch(
