@@ -16,6 +16,10 @@ fp32 CPU reference, and the teacher server's hf backend throughput on the GPU.
    the trunk-then-branches kernel (exact against per-turn forwards, tests/test_packing.py);
    fails past 1e-4 on log-probs or 1e-3 (relative) on gradients. Prints forward+backward
    wall time of both kernels and their ratio (--device cpu: forward only, no gradients).
+4. The Megatron tree attention's kernels (slime_ext.slime.tree_attention, what slime's
+   layers run on packed samples): FlexAttention against the dense kernel on a micro-batch
+   of synthetic packed trajectories, outputs and q/k/v gradients (GQA, fp32); fails past
+   1e-4 on outputs or 1e-3 (relative) on gradients; prints both kernels' fwd+bwd time.
 Not run by CI.
 """
 
@@ -219,6 +223,71 @@ def check_flex(turns: int, preset: str, device: str) -> bool:
     return passed
 
 
+def check_tree_attention(turns: int, trajectories: int, device: str) -> bool:
+    from slime_ext.slime.tree_attention import TreeTable, _dense, _flex
+    from slime_ext.turns import pack
+
+    packs = [
+        pack(t.trunk_ids, t.turns, stems=True)
+        for t in (
+            synthetic(turns, prompt=256, think=96, action=32, observation=32)
+            for _ in range(trajectories)
+        )
+    ]
+    starts = [0]
+    for packed in packs:
+        starts.append(starts[-1] + len(packed.ids))
+    trees = [torch.tensor([p.positions, p.branch, p.visible_trunk]) for p in packs]
+    table = TreeTable.of(starts, trees).to(device)
+    rows = table.rank_rows(0, 1).to(device)
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, scale = 16, 4, 128, 128**-0.5
+    base = [
+        torch.randn(starts[-1], h, dim, generator=generator) for h in (heads, kv_heads, kv_heads)
+    ]
+    training = device != "cpu"  # torch's CPU FlexAttention has no backward
+    results, times = {}, {}
+    for name in ("dense", "flex"):
+        for _ in range(2):  # the first flex run compiles
+            q, k, v = (x.to(device).requires_grad_(training) for x in base)
+            started = time.perf_counter()
+            with torch.set_grad_enabled(training):
+                if name == "dense":
+                    out = _dense(q, k, v, table.may_attend(rows[:, None], rows[None]), scale)
+                else:
+                    out = _flex(q, k, v, table, rows, rows, scale)
+                if training:
+                    out.square().sum().backward()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name] = time.perf_counter() - started
+        grads = [x.grad.detach() for x in (q, k, v)] if training else []
+        results[name] = (out.detach(), grads)
+    (dense, dense_grads), (flex, flex_grads) = results["dense"], results["flex"]
+    value_err = float((flex - dense).abs().max())
+    grad_err = max(
+        (
+            float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+            for a, b in zip(flex_grads, dense_grads, strict=True)
+        ),
+        default=0.0,
+    )
+    passed = value_err <= 1e-4 and grad_err <= 1e-3
+    print(
+        f"megatron tree attention ({trajectories} x {turns}-turn packed samples, "
+        f"{starts[-1]} rows, {heads}/{kv_heads} heads, {device} fp32):"
+    )
+    print(
+        f"  out max abs {value_err:.2e}  grad rel(max) {grad_err:.2e}  {'ok' if passed else 'FAIL'}"
+    )
+    step = "fwd+bwd" if training else "fwd"
+    print(
+        f"  {step}: dense {times['dense'] * 1e3:.1f} ms, flex {times['flex'] * 1e3:.1f} ms, "
+        f"dense / flex {times['dense'] / times['flex']:.2f}x"
+    )
+    return passed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -240,6 +309,7 @@ def main() -> None:
     ok = check_losses(args.tokens, args.vocab, args.device)
     ok &= check_teacher(args.requests, args.context, args.span, args.preset, args.device)
     ok &= check_flex(args.turns, args.preset, args.device)
+    ok &= check_tree_attention(args.turns, 2, args.device)
     sys.exit(0 if ok else 1)
 
 
