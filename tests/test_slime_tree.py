@@ -181,3 +181,53 @@ def test_flex_and_dense_kernels_agree(scripted: list[Any]) -> None:
     dense = _dense(q, k, v, table.may_attend(rows[:, None], rows[None]), 8**-0.5)
     flex = _flex(q, k, v, table, rows, rows, 8**-0.5)
     assert torch.allclose(dense, flex, atol=1e-5)
+
+
+def _spec_args(**overrides: Any) -> Any:
+    from types import SimpleNamespace
+
+    values: dict[str, Any] = {
+        "position_embedding_type": "rope", "transformer_impl": "local", "num_experts": None,
+        "moe_grouped_gemm": False, "qk_layernorm": True, "moe_use_legacy_grouped_gemm": False,
+        "rotary_percent": 1.0, "rotary_base": 1000000, "allgather_cp": False,
+    }  # fmt: skip
+    return SimpleNamespace(**(values | overrides))
+
+
+def test_slimes_spec_hook_puts_the_tree_attention_in_every_layer_and_takes_rope_over() -> None:
+    """--spec slime_ext.slime.tree_attention.layer_spec, as slime's provider calls it: the
+    default layer with our core attention; RoPE (also as slime's model scripts set it, with
+    the legacy --use-rotary-position-embeddings) moves into the attention."""
+    from slime_ext.slime.settings import HookConfigError
+    from slime_ext.slime.tree_attention import TreeCoreAttention, layer_spec
+
+    args = _spec_args()
+    spec = layer_spec(args, config=None)
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.module is TreeCoreAttention and core.params["rope"].rotary_base == 1000000
+    assert spec.submodules.self_attention.submodules.q_layernorm is not None  # Qwen3's QK norm
+    assert args.position_embedding_type == "none"  # slime builds GPTModel from args next
+    for bad, match in [
+        ({"position_embedding_type": "learned_absolute"}, "plain RoPE"),
+        ({"use_rope_scaling": True}, "no rope scaling"),
+        ({"allgather_cp": True}, "allgather-cp"),
+    ]:
+        with pytest.raises(HookConfigError, match=match):
+            layer_spec(_spec_args(**bad), config=None)
+
+
+def test_the_spec_hook_refuses_a_slime_whose_provider_reads_rope_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from slime.backends.megatron_utils import model_provider
+
+    from slime_ext.slime.settings import HookConfigError
+    from slime_ext.slime.tree_attention import layer_spec
+
+    def provider(args: Any) -> Any:
+        kwargs = {"position_embedding_type": args.position_embedding_type}
+        return kwargs, args.spec(args, None, None)
+
+    monkeypatch.setattr(model_provider, "_get_model_provider_func", provider)
+    with pytest.raises(HookConfigError, match="SLIME_COMMIT"):
+        layer_spec(_spec_args(), config=None)

@@ -8,8 +8,8 @@ is causal per sequence and derives RoPE positions from offsets, so this module d
 
 - RoPE at each token's explicit position, with Megatron's own RotaryEmbedding and
   apply_rotary_pos_emb, on the queries and keys the layer hands it (after the QK norm, as
-  Megatron's SelfAttention would); the model is built with `--position-embedding-type
-  none` so that nothing rotates them before;
+  Megatron's SelfAttention would); `layer_spec` has the model built with position
+  embedding `none`, so that nothing rotates them before;
 - the tree rule as the mask, per sequence of slime's THD micro-batch; a sample without a
   tree (or the batch's padding) is causal, so per-turn samples run here unchanged.
 
@@ -278,13 +278,16 @@ def with_tree_attention(spec: Any, rope: Rope, kernel: Kernel = "dense") -> Any:
 def layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
     """slime's `--spec slime_ext.slime.tree_attention.layer_spec`: the spec slime builds by
     default (Transformer Engine's or the local one, MoE blocks included) with the tree
-    attention as every layer's core attention. Needs `--position-embedding-type none`
-    (RoPE moves into the attention) and the THD micro-batches slime makes by default."""
-    if args.position_embedding_type != "none":
+    attention as every layer's core attention, RoPE moved into it: slime's provider builds
+    GPTModel from `args` after calling this, so a `rope` position embedding becomes `none`
+    here (slime's model scripts pass the legacy --use-rotary-position-embeddings, which
+    sets rope again whatever `opd launch` passed)."""
+    _require_provider_reads_args_after_the_spec()
+    if args.position_embedding_type not in ("rope", "none"):
         raise HookConfigError(
-            "tree-packed samples: run slime with --position-embedding-type none (the tree "
-            "attention applies RoPE at each token's own position; `opd launch` passes it) "
-            f"instead of {args.position_embedding_type!r}"
+            "tree-packed samples: the tree attention applies plain RoPE; this model's "
+            f"position embedding is {args.position_embedding_type!r}: use "
+            "algorithm.sequence_layout: per_turn"
         )
     if getattr(args, "use_rope_scaling", False) or getattr(args, "multi_latent_attention", False):
         raise HookConfigError(
@@ -293,6 +296,7 @@ def layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
         )
     if getattr(args, "allgather_cp", False):
         raise HookConfigError("tree-packed samples do not take --allgather-cp")
+    args.position_embedding_type = "none"  # the tree attention rotates q and k itself
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     use_te = args.transformer_impl == "transformer_engine"
@@ -321,3 +325,23 @@ def layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
     )
     kernel: Kernel = "flex" if torch.cuda.is_available() else "dense"
     return with_tree_attention(base, rope, kernel)
+
+
+def _require_provider_reads_args_after_the_spec() -> None:
+    """A slime whose provider read the position embedding before the spec would rotate q
+    and k twice (a silently wrong model): refuse it, naming the pinned commit."""
+    import inspect
+
+    from slime.backends.megatron_utils import model_provider
+
+    source = inspect.getsource(model_provider._get_model_provider_func)
+    spec_call = source.find("transformer_layer_spec(args, config, vp_stage)")
+    reads = source.find('"position_embedding_type": args.position_embedding_type')
+    if spec_call < 0 or reads < spec_call:
+        raise HookConfigError(
+            "tree-packed samples: slime's model provider no longer builds GPTModel's position "
+            "embedding from args after calling --spec (slime/backends/megatron_utils/"
+            "model_provider.py), which the tree attention relies on to take RoPE over; use "
+            "the slime commit tests/slime_cpu.py pins (SLIME_COMMIT) or "
+            "algorithm.sequence_layout: per_turn"
+        )
