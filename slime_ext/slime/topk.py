@@ -14,7 +14,7 @@ hooks extend it in three places, each checked against slime's code when installe
    per DP rank with `rollout_data["partition"]`, the rank's indices into those samples: our
    wrapper of it adds the rank's rows under TOPK_IDS and TOPK_LOGPROBS. They travel with
    the rank's other data (one object per rank in Ray's store).
-2. Megatron ranks (`--custom-megatron-init-path slime_ext.slime.topk.init`): the training
+2. Megatron ranks (`--custom-megatron-init-path slime_ext.slime.tree.init`, or `init`): the training
    step's `get_batch` is wrapped to fetch our two keys with the others, and slime's
    train-side rollout log to skip them (it logs the mean of every key it does not know).
 3. the loss (`slime_ext.slime.loss`) receives them whole per sample, [R, k] each, and cuts
@@ -211,7 +211,7 @@ def rows_for(
     if ids is None or logprobs is None:
         raise HookConfigError(
             "the batch has no teacher top-k: run slime with --custom-megatron-init-path "
-            "slime_ext.slime.topk.init (`opd launch` passes it when the loss needs top-k) "
+            "slime_ext.slime.tree.init (`opd launch` passes it when the loss needs top-k) "
             "and teacher.top_k > 0"
         )
     picked_ids, picked_logprobs = [], []
