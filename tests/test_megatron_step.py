@@ -265,10 +265,12 @@ def _train(
     loss_path: str,
     tree: bool = False,
     lose_trees: bool = False,
+    boxes_key: str = "boxes",
 ) -> dict[str, Any]:
     """STEPS rollouts of slime's actor on this rank's payload; the full final parameters.
     `tree`: the model takes tree-packed samples (slime_ext.slime.tree_attention);
-    `lose_trees`: their trees do not reach it (a negative control)."""
+    `lose_trees`: their trees do not reach it (a negative control); `boxes_key`: the
+    case's payload to train on."""
     from slime_ext.slime import tree as tree_path
 
     tree_path.init(args=None)  # --custom-megatron-init-path, as `opd launch` passes it
@@ -315,7 +317,8 @@ def _train(
         patch.setattr(slime_model, "get_args", lambda: args)
         for rollout_id in range(STEPS):
             # slime consumes the payload in place; Ray would hand each rollout its own copy
-            data = MegatronTrainRayActor._get_rollout_data(actor, copy.deepcopy(case["boxes"]))
+            boxes = case[boxes_key]
+            data = MegatronTrainRayActor._get_rollout_data(actor, copy.deepcopy(boxes))
             iterator = get_data_iterator(data)
             data.update(
                 MegatronTrainRayActor.compute_log_prob(actor, iterator, data["num_microbatches"])
@@ -533,37 +536,49 @@ def kept_reference_run(
 
 
 PACKED_CASES = {
-    "drop-tp2-cp2": ("drop", LAYOUTS["tp2-cp2"]),
-    "keep-drift-tp2-dp2": ("keep", LAYOUTS["tp2-dp2"]),
+    "drop-tp2-cp2": ("drop", LAYOUTS["tp2-cp2"], "sampled"),
+    "keep-drift-tp2-dp2": ("keep", LAYOUTS["tp2-dp2"], "sampled"),
+    "drop-topk-tp1-cp2-dp2": ("drop", LAYOUTS["tp1-cp2-dp2"], TOPK_SETTINGS["opd_loss"]),
 }
+"""(think policy, layout, loss) of the packed runs."""
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("think, layout", PACKED_CASES.values(), ids=PACKED_CASES.keys())
+@pytest.mark.parametrize("think, layout, loss", PACKED_CASES.values(), ids=PACKED_CASES.keys())
 def test_tree_packed_samples_train_as_the_per_turn_reference(
     request: pytest.FixtureRequest,
     tmp_path: Path,
     factory_tokenizer: Any,
     think: str,
     layout: tuple[int, int, int, bool],
+    loss: str,
 ) -> None:
     """One tree-packed sample per trajectory (every token once: think dropped, the spans
     are branches; think kept with a drifted turn, that turn's branch) through slime's data
-    path into Megatron's steps with the tree attention: the parameters after 3 steps equal
-    the reference's, which trains on the per-turn samples. Negative control: the same
-    samples with their trees lost on the way (plain causal attention) do not."""
+    path into Megatron's steps with the tree attention, the sampled KL or the teacher's
+    top-k (its rows at the packed places): the parameters after 3 steps equal the
+    reference's, which trains on the per-turn samples, and every step's loss and metrics,
+    as slime reports them, equal a per-turn run's. Negative control: the same samples with
+    their trees lost on the way (plain causal attention) do not train to the reference."""
     from slime_ext.slime.samples import TREE_KEY
 
-    fixtures = ("trajectories", "reference_run") if think == "drop" else (
-        "kept_and_drifted", "kept_reference_run"
-    )  # fmt: skip
+    topk = loss != "sampled"
+    fixtures = {
+        "drop": ("trajectories", "topk_reference_run" if topk else "reference_run"),
+        "keep": ("kept_and_drifted", "kept_reference_run"),
+    }[think]
     trajectories = request.getfixturevalue(fixtures[0])
     reference_run = request.getfixturevalue(fixtures[1])
     tp, cp, dp, _ = layout
-    args = recipe_args(RECIPE, tmp_path, tp, cp, len(factory_tokenizer))
+    settings = TOPK_SETTINGS if topk else None
+    args = recipe_args(
+        RECIPE, tmp_path, tp, cp, len(factory_tokenizer), algorithm_settings=settings
+    )
     args.max_tokens_per_gpu = MAX_TOKENS_PER_GPU
     groups = rollout_groups(RECIPE, args, tmp_path, trajectories, layout="packed")
     samples, boxes, _ = rollout_side(args, [groups], dp)
+    per_turn_groups = rollout_groups(RECIPE, args, tmp_path, trajectories)
+    _, per_turn_boxes, _ = rollout_side(args, [per_turn_groups], dp)
     assert len(samples) == len(ROLLOUTS)  # one sample per trajectory
     assert all(TREE_KEY in s.train_metadata for s in samples)
     branches = [sorted({int(b) for b in s.train_metadata[TREE_KEY][1] if b >= 0}) for s in samples]
@@ -575,19 +590,36 @@ def test_tree_packed_samples_train_as_the_per_turn_reference(
     per_turn = sum(len(s.tokens) for s in reference_run["samples"] if not s.remove_sample)
     packed = sum(len(s.tokens) for s in samples if not s.remove_sample)
     assert packed < per_turn
-    loss = "slime_ext.slime.loss.loss"
+    path = "slime_ext.slime.loss.loss"
     runs = {
-        "packed": {"distributed": False, "loss_path": loss, "tree": True},
-        "trees_lost": {"distributed": False, "loss_path": loss, "tree": True, "lose_trees": True},
-    }
-    torch.save(
-        {"args": args, "boxes": boxes, "initial": reference_run["initial"], "runs": runs},
-        tmp_path / "case.pt",
-    )
+        "packed": {"distributed": False, "loss_path": path, "tree": True},
+        # the same model on the per-turn samples (no trees: causal), for the reported loss
+        "per_turn": {"distributed": False, "loss_path": path, "tree": True,
+                     "boxes_key": "per_turn_boxes"},
+    }  # fmt: skip
+    if not topk:
+        runs["trees_lost"] = {"distributed": False, "loss_path": path, "tree": True,
+                              "lose_trees": True}  # fmt: skip
+    case = {"args": args, "boxes": boxes, "per_turn_boxes": per_turn_boxes, "runs": runs}
+    torch.save(case | {"initial": reference_run["initial"]}, tmp_path / "case.pt")
     ranks = run_ranks(_rank, tp * cp * dp, layout, tmp_path)
     final = reference_run["final"]
+
+    def error(run: dict[str, Any]) -> float:
+        return max(float((run["final"][k] - final[k]).abs().max()) for k in final)
+
+    metric = "teacher_topk_kl" if topk else "opd_reverse_kl"
     for r in ranks:
-        error = max(float((r["packed"]["final"][k] - final[k]).abs().max()) for k in final)
-        assert error < ATOL, error
-        lost = max(float((r["trees_lost"]["final"][k] - final[k]).abs().max()) for k in final)
-        assert lost > 100 * ATOL, lost
+        assert error(r["packed"]) < ATOL and error(r["per_turn"]) < ATOL
+        if not topk:
+            assert error(r["trees_lost"]) > 100 * ATOL
+        for packed_step, turn_step in zip(
+            r["packed"]["reported"], r["per_turn"]["reported"], strict=True
+        ):
+            assert packed_step.keys() == turn_step.keys() and metric in turn_step
+            for key, value in turn_step.items():
+                assert packed_step[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        if topk:  # and the local trainer's loss on the same trajectories
+            first = r["packed"]["reported"][0]
+            local = reference_run["local_loss"]
+            assert KL_COEF * first[metric] == pytest.approx(local, abs=TOPK_ATOL)
