@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.slime_driver import require_slime
 
@@ -21,11 +23,19 @@ from slime_ext.slime.samples import TREE_KEY, causal_tree, to_samples  # noqa: E
 from slime_ext.slime.topk import of_sample as topk_of  # noqa: E402
 from slime_ext.slime.tree_attention import TreeTable, _dense, _flex, zigzag_indices  # noqa: E402
 from slime_ext.turns import attention_rule, pack  # noqa: E402
+from tests.test_packing import trajectories  # noqa: E402
 from tests.test_slime_real import scripted_with_topk  # noqa: E402
 
 
 def _base(index: int = 0) -> Sample:
     return Sample(index=index, group_index=0, prompt="p", metadata={})
+
+
+@pytest.fixture(scope="module")
+def tiny_model(factory_tokenizer: Any) -> Any:
+    from slime_ext.local.factory import build_model
+
+    return build_model("qwen3-tiny", factory_tokenizer, seed=3).eval()
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +241,45 @@ def test_the_spec_hook_refuses_a_slime_whose_provider_reads_rope_first(
     monkeypatch.setattr(model_provider, "_get_model_provider_func", provider)
     with pytest.raises(HookConfigError, match="SLIME_COMMIT"):
         layer_spec(_spec_args(), config=None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(trajectory=st.sampled_from(["drop", "keep"]).flatmap(trajectories))
+def test_any_trajectory_packs_into_one_sample_that_trains_what_per_turn_does(
+    trajectory: Any, tiny_model: Any
+) -> None:
+    """Any number of turns, drifted suffixes, spans held in the trunk or not (a held span
+    lies inside the trunk, before earlier turns' branches: the places are not in turn
+    order, which a per-trajectory sum does not see), any mask tier: each span token is at
+    its own place with its own mask and log-probs, and the outputs that predict them (the
+    rows right before them, stems included) equal the packing without stems (the local
+    trainer's, exact against per-turn forwards)."""
+    from rollout.masking import loss_mask_for
+
+    [packed] = to_samples(trajectory, _base(), "imitation", layout="packed")
+    with_stems = pack(trajectory.trunk_ids, trajectory.turns, stems=True)
+    plain = pack(trajectory.trunk_ids, trajectory.turns)
+    prompt = len(packed.tokens) - packed.response_length
+    places = [row + 1 - prompt for row in with_stems.span_rows]
+    assert len(set(places)) == len(places) and min(places) == 0
+    turn_tokens = [
+        (token, int(loss_mask_for(turn.mask_tier, "imitation", True)), logprob)
+        for turn in trajectory.turns
+        for token, logprob in zip(turn.span_ids, turn.logprobs, strict=True)
+    ]
+    response = packed.tokens[prompt:]
+    assert [
+        (response[i], packed.loss_mask[i], packed.rollout_log_probs[i]) for i in places
+    ] == turn_tokens
+    assert sum(packed.loss_mask) == sum(m for _, m, _ in turn_tokens)  # nothing else carries
+
+    def rows(layout: Any) -> torch.Tensor:
+        with torch.no_grad():
+            out = tiny_model(
+                input_ids=torch.tensor([layout.ids]),
+                position_ids=torch.tensor([layout.positions]),
+                attention_mask=attention_rule(layout)[None, None],
+            )
+        return out.logits[0, layout.span_rows]
+
+    assert torch.allclose(rows(with_stems), rows(plain), atol=1e-5)
