@@ -65,3 +65,24 @@ def require_source(
     missing = [needle for needle in needles if needle not in source]
     if missing:
         raise HookConfigError(drifted(name, f"no longer contains {missing}"))
+
+
+def before_rank_split(
+    hook: Callable[[dict[str, Any]], None], tag: str, drifted: Callable[[str, str], str]
+) -> None:
+    """Call hook(rank's rollout data) in slime's DP split, once per rank, before slime
+    tensorizes the rank's payload (RolloutManager._split_train_data_by_dp builds each
+    rank's dict, with its "partition" and "tokens", and calls
+    tensorize_rollout_data_for_training on it)."""
+    from slime.ray import rollout
+
+    manager = rollout.RolloutManager
+    split = getattr(manager, "__ray_metadata__", None)
+    split_class = split.modified_class if split is not None else manager
+    require_source(
+        split_class._split_train_data_by_dp,
+        ('"partition": partition', '"tokens"', "tensorize_rollout_data_for_training(rollout_data)"),
+        "RolloutManager._split_train_data_by_dp",
+        drifted,
+    )
+    wrap(rollout, "tensorize_rollout_data_for_training", before(hook), tag, drifted)

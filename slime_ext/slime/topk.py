@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_ext.slime.extend import before, require_source, wrap
+from slime_ext.slime.extend import before_rank_split, require_source, wrap
 from slime_ext.slime.settings import HookConfigError
 
 TOPK_KEY = "opd_teacher_topk"
@@ -144,18 +144,7 @@ def add_rank_rows(rollout_data: dict[str, Any]) -> None:
 
 def install_rollout_side() -> None:
     """Wrap slime.ray.rollout's tensorize_rollout_data_for_training (once)."""
-    from slime.ray import rollout
-
-    manager = rollout.RolloutManager
-    split = getattr(manager, "__ray_metadata__", None)
-    split_class = split.modified_class if split is not None else manager
-    require_source(
-        split_class._split_train_data_by_dp,
-        ('"partition": partition', "tensorize_rollout_data_for_training(rollout_data)"),
-        "RolloutManager._split_train_data_by_dp",
-        _drifted,
-    )
-    wrap(rollout, "tensorize_rollout_data_for_training", before(add_rank_rows), TAG, _drifted)
+    before_rank_split(add_rank_rows, TAG, _drifted)
 
 
 # 2. the Megatron ranks -------------------------------------------------------------------

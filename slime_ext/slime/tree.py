@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from slime_ext.slime import topk
-from slime_ext.slime.extend import before, require_source, wrap
+from slime_ext.slime.extend import before_rank_split, require_source, wrap
 from slime_ext.slime.samples import TREE_KEY
 from slime_ext.slime.settings import HookConfigError
 from slime_ext.slime.tree_attention import TREE_ATTRIBUTE
@@ -88,18 +88,8 @@ def add_rank_trees(rollout_data: dict[str, Any]) -> None:
 
 
 def install_rollout_side() -> None:
-    from slime.ray import rollout
-
-    manager = rollout.RolloutManager
-    split = getattr(manager, "__ray_metadata__", None)
-    split_class = split.modified_class if split is not None else manager
-    require_source(
-        split_class._split_train_data_by_dp,
-        ('"partition": partition', '"tokens"', "tensorize_rollout_data_for_training("),
-        "RolloutManager._split_train_data_by_dp",
-        _drifted,
-    )
-    wrap(rollout, "tensorize_rollout_data_for_training", before(add_rank_trees), TAG, _drifted)
+    """Wrap slime.ray.rollout's tensorize_rollout_data_for_training (once)."""
+    before_rank_split(add_rank_trees, TAG, _drifted)
 
 
 # 2. the Megatron ranks -------------------------------------------------------------------
