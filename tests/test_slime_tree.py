@@ -283,3 +283,27 @@ def test_any_trajectory_packs_into_one_sample_that_trains_what_per_turn_does(
         return out.logits[0, layout.span_rows]
 
     assert torch.allclose(rows(with_stems), rows(plain), atol=1e-5)
+
+
+def test_the_rollout_log_reports_processed_tokens_per_loss_token(scripted: list[Any]) -> None:
+    """perf/processed_tokens_per_loss_token on slime, the local trainer's definition: the
+    kept samples' tokens over their loss tokens; packed about the every-token-once bound,
+    per turn every context again."""
+    from slime_ext.slime.metrics import sample_metrics
+
+    aborted = scripted[2].model_copy(
+        update={"status": TrajectoryStatus.ABORTED, "status_reason": "deadline"}
+    )
+    ratios = {}
+    for layout in ("per_turn", "packed"):
+        samples = [
+            s
+            for i, t in enumerate([*scripted, aborted])
+            for s in to_samples(t, _base(i), "kl", layout=layout)  # type: ignore[arg-type]
+        ]
+        metrics = sample_metrics(samples)
+        kept = [s for s in samples if not s.remove_sample]
+        assert metrics["perf/processed_tokens"] == sum(len(s.tokens) for s in kept)
+        assert metrics["perf/loss_tokens"] == sum(sum(s.loss_mask) for s in kept)
+        ratios[layout] = metrics["perf/processed_tokens_per_loss_token"]
+    assert ratios["packed"] < ratios["per_turn"] / 1.5
