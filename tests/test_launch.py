@@ -641,15 +641,15 @@ def test_validate_accepts_a_cluster_config_iff_launch_dry_run_does(
 def test_dry_run_runs_top_k_losses_on_slime_with_the_hook_that_carries_the_rows(
     config: Path, settings: list[str]
 ) -> None:
-    """A top-k loss launches: slime's Megatron ranks get topk.init (which extends the
-    training step's batch keys), the teacher service accepts the job's top_k; a sampled
-    loss adds nothing."""
+    """A top-k loss launches: slime's Megatron ranks get tree.init (which extends the
+    training step's batch keys with the rows), the teacher service accepts the job's top_k;
+    a sampled loss of a per-turn job (these students are hybrid) adds nothing."""
     sets = [arg for item in settings for arg in ("--set", item)]
     topk = CliRunner().invoke(app, ["launch", str(config), *sets, "--dry-run"])
     assert topk.exit_code == 0, topk.output
-    assert "--custom-megatron-init-path slime_ext.slime.topk.init" in topk.output
+    assert "--custom-megatron-init-path slime_ext.slime.tree.init" in topk.output
     sampled = CliRunner().invoke(app, ["launch", str(config), "--dry-run"])
-    assert sampled.exit_code == 0 and "topk.init" not in sampled.output
+    assert sampled.exit_code == 0 and "--custom-megatron-init-path" not in sampled.output
     if config == EXAMPLE:
         wide = ["--set", "teacher.top_k=128", "--set", "algorithm.opd_loss=topk_tail"]
         plan = CliRunner().invoke(app, ["launch", str(config), *wide, "--dry-run"])
