@@ -224,7 +224,7 @@ def check_flex(turns: int, preset: str, device: str) -> bool:
 
 
 def check_tree_attention(turns: int, trajectories: int, device: str) -> bool:
-    from slime_ext.slime.tree_attention import TreeTable, _dense, _flex
+    from slime_ext.slime.tree_attention import TreeTable, _block_mask, _dense, _flex
     from slime_ext.turns import pack
 
     packs = [
@@ -255,7 +255,7 @@ def check_tree_attention(turns: int, trajectories: int, device: str) -> bool:
                 if name == "dense":
                     out = _dense(q, k, v, table.may_attend(rows[:, None], rows[None]), scale)
                 else:
-                    out = _flex(q, k, v, table, rows, rows, scale)
+                    out = _flex(q, k, v, _block_mask(table, rows, rows), scale)
                 if training:
                     out.square().sum().backward()
             if torch.cuda.is_available():

@@ -109,26 +109,55 @@ class TreeCoreAttention(torch.nn.Module):
             raise HookConfigError(
                 "the tree attention takes slime's packed (THD) micro-batches (--qkv-format thd)"
             )
-        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
-        cu_seqlens = [int(x) for x in packed_seq_params.cu_seqlens_q.tolist()]
-        table = TreeTable.of(cu_seqlens, getattr(packed_seq_params, TREE_ATTRIBUTE, None))
-        ranks = [table.rank_rows(r, cp_size) for r in range(cp_size)]
-        mine, everyone = ranks[cp_rank], torch.cat(ranks)
-        freqs = self.rotary.get_emb(int(table.position.max()) + 1)
-        at = freqs[table.position[mine].to(freqs.device)]
+        batch = _micro_batch(packed_seq_params, self.cp_group, self.kernel, query.device)
+        freqs = self.rotary.get_emb(int(batch.table.position.max()) + 1)
+        at = freqs[batch.positions.to(freqs.device)]
         query = apply_rotary_pos_emb(query[:, None], at, self.config)[:, 0]
         key = apply_rotary_pos_emb(key[:, None], at, self.config)[:, 0]
-        if cp_size > 1:
+        if self.cp_group.size() > 1:
             key = gather_from_sequence_parallel_region(key, group=self.cp_group)
             value = gather_from_sequence_parallel_region(value, group=self.cp_group)
-        table = table.to(query.device)
-        mine, everyone = mine.to(query.device), everyone.to(query.device)
         if self.kernel == "flex":
-            out = _flex(query, key, value, table, mine, everyone, self.softmax_scale)
+            out = _flex(query, key, value, batch.mask, self.softmax_scale)
         else:
-            visible = table.may_attend(mine[:, None], everyone[None])
-            out = _dense(query, key, value, visible, self.softmax_scale)
+            out = _dense(query, key, value, batch.mask, self.softmax_scale)
         return out.reshape(out.size(0), -1)
+
+
+_MICRO_BATCH_ATTRIBUTE = "_opd_tree_micro_batch"
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """What every layer's attention reads of one micro-batch: made by the first layer and
+    kept on its packed_seq_params (the object Megatron hands every layer, recomputation
+    included), so the table and the mask are built once per micro-batch, not per layer."""
+
+    table: TreeTable
+    positions: Tensor
+    """The explicit positions of this rank's rows."""
+    mask: Any
+    """dense: [this rank's rows, all rows] bool; flex: the BlockMask."""
+
+
+def _micro_batch(packed_seq_params: Any, cp_group: Any, kernel: Kernel, device: Any) -> _MicroBatch:
+    made = getattr(packed_seq_params, _MICRO_BATCH_ATTRIBUTE, None)
+    if made is not None:
+        return cast(_MicroBatch, made)
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cu_seqlens = [int(x) for x in packed_seq_params.cu_seqlens_q.tolist()]
+    table = TreeTable.of(cu_seqlens, getattr(packed_seq_params, TREE_ATTRIBUTE, None))
+    ranks = [table.rank_rows(r, cp_size) for r in range(cp_size)]
+    positions = table.position[ranks[cp_rank]]
+    table = table.to(device)
+    mine, everyone = ranks[cp_rank].to(device), torch.cat(ranks).to(device)
+    if kernel == "flex":
+        mask = _block_mask(table, mine, everyone)
+    else:
+        mask = table.may_attend(mine[:, None], everyone[None])
+    made = _MicroBatch(table, positions, mask)
+    setattr(packed_seq_params, _MICRO_BATCH_ATTRIBUTE, made)
+    return made
 
 
 @dataclass(frozen=True)
@@ -221,21 +250,20 @@ def _dense(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", probs, value)
 
 
-def _flex(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    table: TreeTable,
-    mine: Tensor,
-    everyone: Tensor,
-    scale: float,
-) -> Tensor:
+def _block_mask(table: TreeTable, mine: Tensor, everyone: Tensor) -> Any:
+    """The table's rule between this rank's rows (queries) and all rows (keys) as a
+    FlexAttention BlockMask."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(batch: Tensor, head: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return table.may_attend(mine[q], everyone[k])
 
-    mask = create_block_mask(mask_mod, None, None, query.size(0), key.size(0), device=query.device)
+    return create_block_mask(
+        mask_mod, None, None, mine.numel(), everyone.numel(), device=mine.device
+    )
+
+
+def _flex(query: Tensor, key: Tensor, value: Tensor, mask: Any, scale: float) -> Tensor:
     out = _flex_kernel(query.is_cuda)(
         query.transpose(0, 1)[None],
         key.transpose(0, 1)[None],
