@@ -19,7 +19,7 @@ from slime.utils.types import Sample  # noqa: E402
 
 from rollout.trajectory import TrajectoryStatus  # noqa: E402
 from slime_ext.slime import topk  # noqa: E402
-from slime_ext.slime.extend import before, require_source, wrap  # noqa: E402
+from slime_ext.slime.extend import before, logged_without, require_source, wrap  # noqa: E402
 from slime_ext.slime.samples import to_samples  # noqa: E402
 from slime_ext.slime.settings import HookConfigError  # noqa: E402
 
@@ -169,5 +169,7 @@ def test_train_side_wrappers_add_and_hide_only_our_keys() -> None:
     def log(rollout_id: int, args: Any, data: dict[str, Any]) -> None:
         seen["logged"] = sorted(data)
 
-    topk._without_batch_keys(log)(0, None, {"tokens": 1, topk.TOPK_IDS: 2, topk.TOPK_LOGPROBS: 3})
+    logged_without(topk.BATCH_KEYS)(log)(
+        0, None, {"tokens": 1, topk.TOPK_IDS: 2, topk.TOPK_LOGPROBS: 3}
+    )
     assert seen["logged"] == ["tokens"]

@@ -19,9 +19,16 @@ from slime.utils.types import Sample  # noqa: E402
 
 from rollout.trajectory import TrajectoryStatus  # noqa: E402
 from slime_ext.slime import tree  # noqa: E402
+from slime_ext.slime.extend import logged_without  # noqa: E402
 from slime_ext.slime.samples import TREE_KEY, causal_tree, to_samples  # noqa: E402
 from slime_ext.slime.topk import of_sample as topk_of  # noqa: E402
-from slime_ext.slime.tree_attention import TreeTable, _dense, _flex, zigzag_indices  # noqa: E402
+from slime_ext.slime.tree_attention import (  # noqa: E402
+    TreeTable,
+    _block_mask,
+    _dense,
+    _flex,
+    zigzag_indices,
+)
 from slime_ext.turns import attention_rule, pack  # noqa: E402
 from tests.test_packing import trajectories  # noqa: E402
 from tests.test_slime_real import scripted_with_topk  # noqa: E402
@@ -147,7 +154,7 @@ def test_get_batch_hangs_the_trees_on_packed_seq_params_and_logs_skip_them() -> 
     def log(rollout_id: int, args: Any, data: dict[str, Any]) -> None:
         seen["logged"] = sorted(data)
 
-    tree._without_trees(log)(0, None, {"tokens": 1, tree.TREE_ROWS: 2})
+    logged_without((tree.TREE_ROWS,))(log)(0, None, {"tokens": 1, tree.TREE_ROWS: 2})
     assert seen["logged"] == ["tokens"]
 
 
@@ -189,7 +196,7 @@ def test_flex_and_dense_kernels_agree(scripted: list[Any]) -> None:
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(starts[-1], h, 8, generator=generator) for h in (4, 2, 2))
     dense = _dense(q, k, v, table.may_attend(rows[:, None], rows[None]), 8**-0.5)
-    flex = _flex(q, k, v, table, rows, rows, 8**-0.5)
+    flex = _flex(q, k, v, _block_mask(table, rows, rows), 8**-0.5)
     assert torch.allclose(dense, flex, atol=1e-5)
 
 

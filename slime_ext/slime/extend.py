@@ -54,6 +54,20 @@ def before(hook: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
     return make
 
 
+def logged_without(keys: Sequence[str]) -> Callable[..., Any]:
+    """A `make` for wrap of slime's train-side log_rollout_data: our keys left out (slime
+    logs the mean of every key of the rank's rollout data it does not know)."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def log_rollout_data(rollout_id: Any, args: Any, rollout_data: dict[str, Any]) -> Any:
+            kept = {k: v for k, v in rollout_data.items() if k not in keys}
+            return original(rollout_id, args, kept)
+
+        return log_rollout_data
+
+    return make
+
+
 def require_source(
     function: Any, needles: Sequence[str], name: str, drifted: Callable[[str, str], str]
 ) -> None:

@@ -75,6 +75,9 @@ async def generate(
     if reminder_stats is not None:
         trajectory.metadata[REMINDER_STATS_KEY] = asdict(reminder_stats)
     recipe = job.algorithm.recipe
+    # packed only as the plan resolved it (`opd launch` writes packed or per_turn into
+    # job.yaml and gives Megatron the tree attention); `auto` here means per turn
+    packed = job.algorithm.sequence_layout == "packed" and not evaluation
     samples = to_samples(
         trajectory,
         sample,
@@ -82,11 +85,7 @@ async def generate(
         train_kl_on_invalid=job.algorithm.train_on_invalid_turns,
         with_teacher=recipe in TEACHER_RECIPES and not evaluation,
         teacher_top_k=job.teacher.top_k if job.needs_teacher_topk else 0,
-        # packed only as the plan resolved it (`opd launch` writes packed or per_turn into
-        # job.yaml and gives Megatron the tree attention); `auto` here means per turn
-        layout="packed"
-        if job.algorithm.sequence_layout == "packed" and not evaluation
-        else ("per_turn"),
+        layout="packed" if packed else "per_turn",
     )
     if evaluation:  # slime's eval reads one reward per sample; keep the whole trajectory's
         for s in samples:

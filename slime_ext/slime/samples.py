@@ -68,8 +68,7 @@ def to_samples(
     except TopKError as err:
         return removed(f"teacher top-k: {err}")
     if layout == "packed":
-        packed = packed_sample(trajectory, base, loss_kind, train_kl_on_invalid, with_teacher)
-        return [_with_topk(packed, _packed_topk(trajectory, topk, k)) if topk else packed]
+        return [packed_sample(trajectory, base, loss_kind, train_kl_on_invalid, with_teacher, topk)]
     if trajectory.think_policy == "keep":
         whole = _one_sequence(trajectory, base, loss_kind, train_kl_on_invalid, with_teacher)
         if whole is not None:
@@ -109,28 +108,57 @@ def packed_sample(
     loss_kind: LossKind,
     train_kl_on_invalid: bool,
     with_teacher: bool,
+    topk: list[TopKRows] | None = None,
 ) -> Any:
     """The trajectory as one sample: `pack(..., stems=True)`'s ids (the trunk, then a branch
     per turn whose span the trunk does not hold), so that, as in any slime sample, the
     output before each response token predicts it. The response runs from the first span
-    token to the end; loss mask, rollout and teacher log-probs are the spans' at their
-    places, 0 elsewhere (observations, stems, drifted suffixes); the tree rides in
-    train_metadata[TREE_KEY]."""
+    token to the end; loss mask, rollout and teacher log-probs (and each turn's top-k
+    rows, `topk`) are the spans' at their places, 0 (filler) elsewhere (observations,
+    stems, drifted suffixes); the tree rides in train_metadata[TREE_KEY]."""
     packed = pack(trajectory.trunk_ids, trajectory.turns, stems=True)
     prompt = min(packed.span_rows) + 1
-    response = len(packed.ids) - prompt
+    places = [row + 1 - prompt for row in packed.span_rows]
+    sample = _whole_trajectory_sample(
+        trajectory, base, packed.ids, prompt, places, loss_kind, train_kl_on_invalid, with_teacher
+    )
+    sample = _with_tree(sample, tree_rows(packed))
+    if topk is None:
+        return sample
+    rows = filler(int(sample.response_length), topk[0].ids.shape[1])
+    where = torch.tensor(places, dtype=torch.long)
+    rows.ids[where] = torch.cat([r.ids for r in topk])
+    rows.logprobs[where] = torch.cat([r.logprobs for r in topk])
+    return _with_topk(sample, rows)
+
+
+def _whole_trajectory_sample(
+    trajectory: Trajectory,
+    base: Any,
+    tokens: list[int],
+    prompt: int,
+    places: list[int],
+    loss_kind: LossKind,
+    train_kl_on_invalid: bool,
+    with_teacher: bool,
+) -> Any:
+    """One sample for a whole trajectory: `tokens`, the response from `prompt` on, each
+    span token (turns in order) at its place in the response with its loss mask and
+    log-probs; 0 elsewhere."""
+    response = len(tokens) - prompt
     mask, logprobs, teacher = [0] * response, [0.0] * response, [0.0] * response
-    for at, (turn, j) in zip(_span_places(packed, prompt), _span_tokens(trajectory), strict=True):
-        if packed.ids[prompt + at] != turn.span_ids[j]:
-            raise AssertionError(f"packed layout: response token {at} is not its span token")
+    spans = [(turn, j) for turn in trajectory.turns for j in range(len(turn.span_ids))]
+    for at, (turn, j) in zip(places, spans, strict=True):
+        if tokens[prompt + at] != turn.span_ids[j]:
+            raise AssertionError(f"response token {at} is not its span token")
         mask[at] = int(loss_mask_for(turn.mask_tier, loss_kind, train_kl_on_invalid))
         logprobs[at] = turn.logprobs[j] if turn.logprobs else 0.0
         if turn.teacher_logprobs is not None:
             teacher[at] = turn.teacher_logprobs[j]
-    sample = dataclasses.replace(
+    return dataclasses.replace(
         base,
         rollout_id=rollout_id_of(base),
-        tokens=list(packed.ids),
+        tokens=list(tokens),
         response_length=response,
         loss_mask=mask,
         rollout_log_probs=logprobs,
@@ -139,29 +167,6 @@ def packed_sample(
         status=_status(trajectory, base),
         metadata={**base.metadata, METADATA_KEY: _summary(trajectory) | {"turn": None}},
     )
-    return _with_tree(sample, tree_rows(packed))
-
-
-def _span_places(packed: PackedSequence, prompt: int) -> list[int]:
-    """Each span token's index in the packed sample's response, turns in order."""
-    return [row + 1 - prompt for row in packed.span_rows]
-
-
-def _span_tokens(trajectory: Trajectory) -> list[tuple[Any, int]]:
-    return [(turn, j) for turn in trajectory.turns for j in range(len(turn.span_ids))]
-
-
-def _packed_topk(trajectory: Trajectory, topk: list[TopKRows], k: int) -> TopKRows:
-    """Each turn's rows at its span tokens' places in the packed response, filler elsewhere."""
-    packed = pack(trajectory.trunk_ids, trajectory.turns, stems=True)
-    prompt = min(packed.span_rows) + 1
-    rows = filler(len(packed.ids) - prompt, k)
-    ids = torch.cat([r.ids for r in topk])
-    logprobs = torch.cat([r.logprobs for r in topk])
-    where = torch.tensor(_span_places(packed, prompt), dtype=torch.long)
-    rows.ids[where] = ids
-    rows.logprobs[where] = logprobs
-    return rows
 
 
 def tree_rows(packed: PackedSequence) -> Tensor:
@@ -263,8 +268,7 @@ def _one_sequence(
     last = trajectory.num_turns - 1
     tokens = trajectory.context_ids(last) + list(trajectory.turns[last].span_ids)
     prompt = len(trajectory.context_ids(0))
-    response = len(tokens) - prompt
-    mask, logprobs, teacher = [0] * response, [0.0] * response, [0.0] * response
+    places: list[int] = []
     for k, turn in enumerate(trajectory.turns):
         context = trajectory.context_ids(k)
         start = len(context)
@@ -272,23 +276,9 @@ def _one_sequence(
             return None
         if tokens[start : start + len(turn.span_ids)] != list(turn.span_ids):
             return None
-        carries = int(loss_mask_for(turn.mask_tier, loss_kind, train_kl_on_invalid))
-        for i in range(len(turn.span_ids)):
-            mask[start - prompt + i] = carries
-            logprobs[start - prompt + i] = turn.logprobs[i] if turn.logprobs else 0.0
-            if turn.teacher_logprobs is not None:
-                teacher[start - prompt + i] = turn.teacher_logprobs[i]
-    return dataclasses.replace(
-        base,
-        rollout_id=rollout_id_of(base),
-        tokens=tokens,
-        response_length=response,
-        loss_mask=mask,
-        rollout_log_probs=logprobs,
-        teacher_log_probs=teacher if with_teacher else None,
-        reward=float(trajectory.reward or 0.0),
-        status=_status(trajectory, base),
-        metadata={**base.metadata, METADATA_KEY: _summary(trajectory) | {"turn": None}},
+        places += range(start - prompt, start - prompt + len(turn.span_ids))
+    return _whole_trajectory_sample(
+        trajectory, base, tokens, prompt, places, loss_kind, train_kl_on_invalid, with_teacher
     )
 
 

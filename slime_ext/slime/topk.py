@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_ext.slime.extend import before_rank_split, require_source, wrap
+from slime_ext.slime.extend import before_rank_split, logged_without, require_source, wrap
 from slime_ext.slime.settings import HookConfigError
 
 TOPK_KEY = "opd_teacher_topk"
@@ -168,7 +168,7 @@ def install_train_side() -> None:
         _drifted,
     )
     wrap(model, "get_batch", _with_batch_keys, TAG, _drifted)
-    wrap(train_metric_utils, "log_rollout_data", _without_batch_keys, TAG, _drifted)
+    wrap(train_metric_utils, "log_rollout_data", logged_without(BATCH_KEYS), TAG, _drifted)
 
 
 def _with_batch_keys(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -178,14 +178,6 @@ def _with_batch_keys(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(data_iterator, keys, *args, **kwargs)
 
     return get_batch
-
-
-def _without_batch_keys(original: Callable[..., Any]) -> Callable[..., Any]:
-    def log_rollout_data(rollout_id: Any, args: Any, rollout_data: dict[str, Any]) -> Any:
-        kept = {k: v for k, v in rollout_data.items() if k not in BATCH_KEYS}
-        return original(rollout_id, args, kept)
-
-    return log_rollout_data
 
 
 # 3. the loss -----------------------------------------------------------------------------

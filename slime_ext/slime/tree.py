@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from slime_ext.slime import topk
-from slime_ext.slime.extend import before_rank_split, require_source, wrap
+from slime_ext.slime.extend import before_rank_split, logged_without, require_source, wrap
 from slime_ext.slime.samples import TREE_KEY
 from slime_ext.slime.settings import HookConfigError
 from slime_ext.slime.tree_attention import TREE_ATTRIBUTE
@@ -113,7 +113,7 @@ def install_train_side() -> None:
         _drifted,
     )
     wrap(model, "get_batch", _with_trees, TAG, _drifted)
-    wrap(train_metric_utils, "log_rollout_data", _without_trees, TAG, _drifted)
+    wrap(train_metric_utils, "log_rollout_data", logged_without((TREE_ROWS,)), TAG, _drifted)
 
 
 def _with_trees(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,14 +130,6 @@ def _with_trees(original: Callable[..., Any]) -> Callable[..., Any]:
         return batch
 
     return get_batch
-
-
-def _without_trees(original: Callable[..., Any]) -> Callable[..., Any]:
-    def log_rollout_data(rollout_id: Any, args: Any, rollout_data: dict[str, Any]) -> Any:
-        kept = {k: v for k, v in rollout_data.items() if k != TREE_ROWS}
-        return original(rollout_id, args, kept)
-
-    return log_rollout_data
 
 
 def _drifted(name: str, what: str) -> str:
