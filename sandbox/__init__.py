@@ -4,7 +4,7 @@
 `PythonWorker` keeps one python interpreter per trajectory for tool-integrated reasoning;
 `DockerSandbox` runs them in a hardened container (`sandbox.docker.reap` removes leftovers);
 `E2BSandbox` in an E2B cloud sandbox (`sandbox.e2b.reap` kills leftovers).
-`Fleet` places sandboxes for many trajectories over hosts (`sandbox.fleet_ray.RayHost`
+`Fleet` places sandboxes for many trajectories over hosts (`sandbox.fleet.ray_hosts.RayHost`
 when the hosts are Ray actors on other machines).
 """
 

@@ -848,7 +848,7 @@ async def inject(fault: str | None, sandbox: Any, marker: str) -> None:
 
 
 async def fault_run(image: str, root_dir: Path, tmp_path: Path) -> dict[str, Any]:
-    from sandbox.fleet_ray import RayHost
+    from sandbox.fleet.ray_hosts import RayHost
 
     run_owner = owner()
     token = secrets.token_hex(4)
@@ -1017,7 +1017,7 @@ async def fault_run(image: str, root_dir: Path, tmp_path: Path) -> dict[str, Any
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     ray = pytest.importorskip("ray")
-    from sandbox.fleet_ray import SANDBOX_RESOURCE
+    from sandbox.fleet.ray_hosts import SANDBOX_RESOURCE
 
     ray.init(
         num_cpus=2,
@@ -1094,7 +1094,7 @@ def test_200_trajectories_under_injected_faults_end_recorded_in_time_and_leave_n
 def test_two_ray_host_actors_one_killed_mid_run_work_continues_on_the_other(
     root_dir: Path, ray_cluster: None
 ) -> None:
-    from sandbox.fleet_ray import RayHost
+    from sandbox.fleet.ray_hosts import RayHost
 
     async def main() -> tuple[list[tuple[str, str, float]], float, dict[str, Any], int]:
         cfg = fleet_config(
@@ -1155,10 +1155,10 @@ def test_spawn_per_node_pins_one_host_to_each_sandbox_node(
 ) -> None:
     import ray
 
-    from sandbox.fleet_ray import spawn_per_node
+    from sandbox.fleet.ray_hosts import SandboxNode, spawn_per_node
 
-    def config_for(node_id: str) -> HostConfig:
-        return HostConfig(name=f"node-{node_id[:8]}", local=local_config(root_dir))
+    def config_for(node: SandboxNode) -> list[HostConfig]:
+        return [HostConfig(name=f"node-{node.node_id[:8]}", local=local_config(root_dir))]
 
     async def main() -> tuple[list[str], str]:
         hosts = spawn_per_node(config_for, owner())

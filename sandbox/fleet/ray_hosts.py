@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,7 +23,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandbox.base import ExecResult, SandboxDiedError
-from sandbox.fleet import Created, HostConfig, HostStatus, InProcessHost
+from sandbox.fleet.hosts import Created, HostConfig, HostStatus
+from sandbox.fleet.in_process import InProcessHost
 
 SANDBOX_RESOURCE = "opd_sandbox_host"
 """The Ray resource a sandbox node offers; `opd launch` starts those nodes with it
@@ -190,26 +192,40 @@ class RayHost:
             raise SandboxDiedError(f"host {self._name}: its Ray actor is gone: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class SandboxNode:
+    """An alive Ray node that offers the sandbox-host resource."""
+
+    node_id: str
+    address: str
+    """Its node IP address (names its hosts)."""
+
+
+def sandbox_nodes(resource: str = SANDBOX_RESOURCE) -> list[SandboxNode]:
+    """The alive nodes offering `resource` (this process must be connected to Ray)."""
+    return [
+        SandboxNode(node["NodeID"], node.get("NodeManagerAddress", node["NodeID"]))
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("Resources", {}).get(resource, 0) > 0
+    ]
+
+
 def spawn_per_node(
-    config_for: Callable[[str], HostConfig],
+    configs_for: Callable[[SandboxNode], Sequence[HostConfig]],
     owner: str,
     resource: str = SANDBOX_RESOURCE,
     num_cpus: float = 0.1,
 ) -> list[RayHost]:
-    """One host actor pinned to every alive node that offers `resource`, built from
-    `config_for(node_id)` (names must differ)."""
-    nodes = [
-        node["NodeID"]
-        for node in ray.nodes()
-        if node.get("Alive") and node.get("Resources", {}).get(resource, 0) > 0
-    ]
+    """Host actors pinned to every alive node that offers `resource`: one per setting
+    `configs_for(node)` gives (names must differ across the fleet)."""
     return [
         RayHost.spawn(
-            config_for(node_id),
+            config,
             owner,
-            node_id=node_id,
+            node_id=node.node_id,
             num_cpus=num_cpus,
             resources={resource: 0.01},
         )
-        for node_id in nodes
+        for node in sandbox_nodes(resource)
+        for config in configs_for(node)
     ]
