@@ -4,12 +4,14 @@ a swebench 5 row, SWE-bench Pro, SWE-smith, SWE-Gym), and the Task round trip.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollout.tasks.swe_spec import (
     DEFAULT_SWE_IMAGE,
+    SWEBENCH_ENV_SETUP,
     SWETaskSpec,
     SWETaskSpecError,
     from_generic,
@@ -21,6 +23,9 @@ from rollout.tasks.swe_spec import (
     to_task,
 )
 from rollout.trajectory import Task
+
+SWEBENCH_5_INSTANCE = Path(__file__).parent / "data" / "swe" / "django_instance.json"
+"""A swebench 5 row (django__django-12983), its eval_script as swebench wrote it."""
 
 # Shaped like princeton-nlp/SWE-bench_Verified (test split); patches shortened.
 VERIFIED_ROW: dict[str, Any] = {
@@ -156,6 +161,28 @@ def test_swebench_5_row_keeps_its_image_eval_script_and_parser() -> None:
     assert spec.extra == {"difficulty": "<15 min fix"}
 
 
+def test_swebench_rows_enter_the_conda_testbed_env_as_swebench_eval_scripts_do() -> None:
+    eval_script = json.loads(SWEBENCH_5_INSTANCE.read_text())["eval_script"]
+    # The two lines after swebench's script header (#!/bin/bash, set -uxo pipefail).
+    assert eval_script.splitlines()[2:4] == SWEBENCH_ENV_SETUP.splitlines()
+    assert SWEBENCH_ENV_SETUP.splitlines() == [
+        "source /opt/miniconda3/bin/activate",
+        "conda activate testbed",
+    ]
+    assert from_swebench(VERIFIED_ROW).env_setup == SWEBENCH_ENV_SETUP
+
+
+def test_swebench_pro_and_generic_rows_enter_only_the_environment_they_name() -> None:
+    assert from_swebench_pro(PRO_ROW).env_setup is None  # the images' ENV lines hold it
+    assert from_generic(SMITH_ROW).env_setup is None
+    venv = "source /testbed/.venv/bin/activate"
+    spec = from_generic({**SMITH_ROW, "env_setup": venv})
+    assert spec.env_setup == venv and "env_setup" not in spec.extra
+    assert from_generic({**SMITH_ROW, "env_setup": ""}).env_setup is None
+    with pytest.raises(SWETaskSpecError, match="env_setup"):
+        from_generic({**SMITH_ROW, "env_setup": ["conda activate testbed"]})
+
+
 def test_swebench_mirror_namespace() -> None:
     spec = from_swebench(VERIFIED_ROW, namespace="registry.local/swebench")
     assert spec.image == "registry.local/swebench/sweb.eval.x86_64.django_1776_django-11099:latest"
@@ -249,6 +276,7 @@ def test_generic_row_defaults_and_grading_choice() -> None:
         (VERIFIED_ROW, from_swebench, "swebench"),
         (PRO_ROW, from_swebench_pro, "swebench_pro"),
         (SMITH_ROW, from_generic, "generic_swe"),
+        ({**SMITH_ROW, "env_setup": "conda activate smith"}, from_generic, "generic_swe"),
     ],
 )
 def test_task_round_trip_through_json(row: dict[str, Any], adapter: Any, kind: str) -> None:

@@ -16,11 +16,20 @@
 - Files (`keep_grade_files`): `details()` also carries the grade as files an evaluation
   run keeps per instance (report.json, test_output.txt, patch.diff) and the counts of
   FAIL_TO_PASS / PASS_TO_PASS tests that passed.
+- Environment: a family may name shell text that enters the repository's environment
+  (`env_setup`: SWE-bench images' conda env `testbed`, which they activate only in
+  /root/.bashrc). Then the agent's commands and the grading's run after it in the same
+  shell (`in_environment`): its output hidden, each command's exit status its own (the
+  task's setup, which makes the repository, and the harness's own git commands go
+  without). A new sandbox whose environment cannot be entered is an
+  `EnvironmentSetupError` (the task's image failed, not the agent); once the agent broke
+  it, each command fails with exit `ENV_SETUP_FAILED_EXIT` and says why, unrun.
 
 A task kind maps to an `SWETaskFamily`, which knows the task's image, where the
-repository is, how to put it into a sandbox and how to grade a submission. Defaults:
-mini-SWE (`mini_swe`: local sandboxes, graded by the swebench package) and the spec family
-(`swebench`, `swebench_pro`, `generic_swe`: rollout.tasks.swe_family, one image per task).
+repository is, how to enter its environment, how to put it into a sandbox and how to
+grade a submission. Defaults: mini-SWE (`mini_swe`: local sandboxes, graded by the
+swebench package) and the spec family (`swebench`, `swebench_pro`, `generic_swe`:
+rollout.tasks.swe_family, one image per task).
 Sandboxes come from `sandbox_factory(image)`: the task's image, or None for tasks without
 one (default: a LocalSandbox for None, a DockerSandbox of that image otherwise;
 `Fleet.sandbox` fits too).
@@ -46,7 +55,7 @@ from rollout.tasks.mini_swe import MiniSWETasks
 from rollout.tasks.swe_family import SPEC_KINDS, SWESpecTasks
 from rollout.toolcalls import ToolCall
 from rollout.trajectory import MaskTier, Task
-from sandbox.base import ExecResult, Sandbox, SandboxError, SandboxFileError
+from sandbox.base import ExecResult, Sandbox, SandboxError, SandboxFileError, StartsAndCloses
 from sandbox.docker import DockerSandbox, DockerSandboxConfig
 from sandbox.jail import SAFE_PATH
 from sandbox.local import LocalSandbox, LocalSandboxConfig
@@ -58,6 +67,18 @@ GRADE_REPORT_FILE = "report.json"
 TEST_OUTPUT_FILE = "test_output.txt"
 PATCH_FILE = "patch.diff"
 """The files of a grade (`keep_grade_files`), named as swebench's harness names its logs."""
+
+ENV_SETUP_FAILED_EXIT = 126
+"""The exit status of a command that did not run because its environment could not be
+entered: the shell's "cannot execute", never one of the codes of a command the shell
+refused (2, 127), which would mark the agent's turn as invalid (tier 2)."""
+
+_BASH_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), 0x7F]} | {
+    ord("\\"): "\\\\",
+    ord("'"): "\\'",
+    ord("\n"): "\\n",
+    ord("\t"): "\\t",
+}
 
 SandboxFactory = Callable[[str | None], Sandbox]
 """A new, unstarted sandbox for a task's image (None: a task without one)."""
@@ -75,6 +96,73 @@ class UnknownBaseCommitError(SandboxError):
     setup failed, not the agent)."""
 
 
+class EnvironmentSetupError(SandboxError):
+    """A new sandbox of the task cannot enter the repository's environment (the family's
+    `env_setup` failed there): the image does not hold what the task says it does."""
+
+
+def _bash_word(text: str) -> str:
+    """`text` as one bash word on one line: $'...' with control characters escaped."""
+    return "$'" + text.translate(_BASH_ESCAPES) + "'"
+
+
+def in_environment(command: str, env_setup: str | None) -> str:
+    """`command` run after `env_setup` in the same bash shell, so what the setup exports,
+    defines or activates holds for it, and its `cd` and exit status stay its own. The
+    setup goes on the command's first line, so bash's line numbers in its messages stay
+    the command's (a syntax error on that line shows the line, setup included). The
+    setup runs in the command's working directory; its output is dropped when it
+    succeeds. When it fails (its exit status, its last command's as a sourced file's, is
+    not 0) the command does not run: the output says so with the setup's exit status, the
+    setup, and its output (run again in a subshell), and the exit status is
+    ENV_SETUP_FAILED_EXIT. None: `command` itself."""
+    if env_setup is None:
+        return command
+    setup = _bash_word(env_setup)
+    failed = (
+        "echo \"opd: entering the repository's environment failed (exit $__opd_env_exit), so "
+        "the command did not run. The environment's setup, and its output run again:\"; "
+        f"printf '%s\\n' {setup}; ( eval {setup} ) 2>&1"
+    )
+    return (
+        f"{{ eval {setup}; }} >/dev/null 2>&1 || "
+        f"{{ __opd_env_exit=$?; {failed}; exit {ENV_SETUP_FAILED_EXIT}; }}; {command}"
+    )
+
+
+class EnvironmentSandbox(StartsAndCloses):
+    """`sandbox` whose every command runs in a task's environment (`in_environment`);
+    files, liveness and lifetime are the wrapped sandbox's."""
+
+    def __init__(self, sandbox: Sandbox, env_setup: str) -> None:
+        self.sandbox = sandbox
+        self.env_setup = env_setup
+
+    async def start(self) -> None:
+        await self.sandbox.start()
+
+    async def exec(
+        self,
+        cmd: str,
+        timeout_s: float,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
+        return await self.sandbox.exec(in_environment(cmd, self.env_setup), timeout_s, cwd, env)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        await self.sandbox.write_file(path, data)
+
+    async def read_file(self, path: str) -> bytes:
+        return await self.sandbox.read_file(path)
+
+    async def is_alive(self) -> bool:
+        return await self.sandbox.is_alive()
+
+    async def close(self) -> None:
+        await self.sandbox.close()
+
+
 class SWETaskFamily(Protocol):
     """What the swe harness needs from a kind of task."""
 
@@ -84,6 +172,12 @@ class SWETaskFamily(Protocol):
 
     def repo_dir(self, task: Task) -> str:
         """The repository in the sandbox: every command's working directory."""
+        ...
+
+    def env_setup(self, task: Task) -> str | None:
+        """Shell text that enters the repository's environment, run before each of the
+        agent's commands and the grading's (`in_environment`); None: the image's
+        environment as it is."""
         ...
 
     async def prepare(self, task: Task, sandbox: Sandbox) -> None:
@@ -132,6 +226,9 @@ class SWEBenchInstanceFamily:
 
     def repo_dir(self, task: Task) -> str:
         return self.tasks.repo_dir(task)
+
+    def env_setup(self, task: Task) -> str | None:
+        return None  # local sandboxes: the interpreter on PATH is the environment
 
     async def prepare(self, task: Task, sandbox: Sandbox) -> None:
         await self.tasks.prepare(task, sandbox)
@@ -303,17 +400,41 @@ class SWEHarness:
         )
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
+    def in_environment(self, task: Task, sandbox: Sandbox) -> Sandbox:
+        """`sandbox` running every command in the task's environment (the family's
+        `env_setup`); `sandbox` itself for a task without one."""
+        env_setup = self.family(task).env_setup(task)
+        return sandbox if env_setup is None else EnvironmentSandbox(sandbox, env_setup)
+
     async def new_sandbox(self, task: Task) -> Sandbox:
-        """A started sandbox holding the task's repository at its base commit."""
+        """A started sandbox holding the task's repository at its base commit (prepared in
+        the image as it is), whose environment can be entered (else
+        EnvironmentSetupError)."""
         family = self.family(task)
         sandbox = self.sandbox_factory(family.image(task))
         try:
             await sandbox.start()
             await family.prepare(task, sandbox)
+            env_setup = family.env_setup(task)
+            if env_setup is not None:
+                await self._check_environment(task, sandbox, env_setup)
         except BaseException:
             await sandbox.close()
             raise
         return sandbox
+
+    async def _check_environment(self, task: Task, sandbox: Sandbox, env_setup: str) -> None:
+        repo_dir = self.family(task).repo_dir(task)
+        entered = await sandbox.exec(
+            in_environment("true", env_setup), self.config.command_timeout_s, cwd=repo_dir
+        )
+        if not entered.ok:
+            output = (entered.stdout + entered.stderr).strip()[-2000:]
+            raise EnvironmentSetupError(
+                f"{task.task_id}: cannot enter the repository's environment in {repo_dir} "
+                f"(exit {entered.exit_code}{', timed out' if entered.timed_out else ''}): "
+                f"{output}"
+            )
 
     async def start(self, task: Task) -> SWEEpisode:
         family = self.family(task)
@@ -369,6 +490,8 @@ class SWEEpisode:
         self.sandbox = sandbox
         self.base_commit = base_commit
         self.repo_dir = harness.family(task).repo_dir(task)
+        self.env_setup = harness.family(task).env_setup(task)
+        """Entered before each bash action (the harness's own git commands go without)."""
         self.steps = 0
         self.tool_calls = 0
         """bash actions run (valid turns that were not the submit)."""
@@ -403,9 +526,8 @@ class SWEEpisode:
         config = self.harness.config
         self.tool_calls += 1
         # Merging stderr on the command's own first line keeps bash's line numbers.
-        result = await self.sandbox.exec(
-            f"exec 2>&1; {call.arguments['command']}", config.command_timeout_s, cwd=self.repo_dir
-        )
+        command = in_environment(f"exec 2>&1; {call.arguments['command']}", self.env_setup)
+        result = await self.sandbox.exec(command, config.command_timeout_s, cwd=self.repo_dir)
         output = result.stdout + result.stderr
         return StepOutcome(
             observation=self._observation(result, output),
@@ -455,7 +577,10 @@ class SWEEpisode:
         sandbox = await self.harness.new_sandbox(self.task)
         try:
             return await family.grade(
-                self.task, sandbox, self.submission, self.harness.config.eval_timeout_s
+                self.task,
+                self.harness.in_environment(self.task, sandbox),
+                self.submission,
+                self.harness.config.eval_timeout_s,
             )
         finally:
             await sandbox.close()

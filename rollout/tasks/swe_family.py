@@ -52,6 +52,10 @@ class SWESpecTasks:
     def repo_dir(self, task: Task) -> str:
         return self.spec(task).workdir
 
+    def env_setup(self, task: Task) -> str | None:
+        """Shell text that enters the repository's environment (the spec's)."""
+        return self.spec(task).env_setup
+
     def image(self, task: Task) -> str:
         return self.spec(task).image
 

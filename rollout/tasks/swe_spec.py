@@ -1,8 +1,8 @@
 """SWE task specs: one description of a SWE-style task, whichever dataset it came from.
 
 A `SWETaskSpec` says where the task's repository is (an image and the working directory
-inside it), what runs before the agent's first turn (`setup_commands`), and how the
-submission is graded:
+inside it), how a command enters the repository's environment (`env_setup`), what runs
+before the agent's first turn (`setup_commands`), and how the submission is graded:
 - "swebench": by the swebench package (rollout.rewards.swe): the row's `eval_script`
   (swebench 5 rows carry one) applies the test patch and runs the tests between swebench's
   markers; FAIL_TO_PASS / PASS_TO_PASS decide.
@@ -23,14 +23,18 @@ Adapters from dataset rows:
 - `from_swebench(row)`: SWE-bench, Lite, Verified (and SWE-Gym, which shares the format).
   Image `swebench/sweb.eval.x86_64.<instance_id>:latest`, lower-cased, "__" written
   "_1776_" (swebench's naming: `swebench_image`), unless the row names its image; the
-  repository is at /testbed, already at the base commit in the image.
+  repository is at /testbed, already at the base commit in the image; its environment is
+  the conda env `testbed`, which the images activate only in /root/.bashrc: commands
+  enter it with `SWEBENCH_ENV_SETUP`.
 - `from_swebench_pro(row)`: image `jefzda/sweap-images:<dockerhub_tag>` (the row's
   `dockerhub_tag`; rows without one get the tag SWE-bench Pro's harness derives,
   `<owner>.<name>-<instance_id without "instance_" and "-vnan">` with the repo
   lower-cased, cut to 128 characters), repository at /app; fail_to_pass / pass_to_pass
-  are lower-case there.
+  are lower-case there. No `env_setup`: the images put their environment in ENV lines
+  (rollout.rewards.swe_pro).
 - `from_generic(row)`: SWE-Gym / SWE-smith style rows that name their own image (or get
-  `DEFAULT_SWE_IMAGE`), workdir (default /testbed), setup and test commands.
+  `DEFAULT_SWE_IMAGE`), workdir (default /testbed), environment entry (`env_setup`,
+  default none), setup and test commands.
 
 `to_task(spec)` makes the rollout Task (kind "swebench", "swebench_pro" or "generic_swe";
 the spec is its metadata) and `from_task(task)` reads the spec back.
@@ -46,6 +50,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rollout.tasks.swe_eval_scripts import ENV_NAME
 from rollout.trajectory import Task
 
 GradingKind = Literal["swebench", "swebench_pro", "script"]
@@ -55,6 +60,10 @@ DEFAULT_SWE_IMAGE = "opd-sandbox-swe-base:latest"
 SWEBENCH_NAMESPACE = "swebench"
 SWEBENCH_PRO_IMAGES = "jefzda/sweap-images"
 SWEBENCH_PRO_RUN_SCRIPT = "/workspace/run_script.sh"
+SWEBENCH_ENV_SETUP = f"source /opt/miniconda3/bin/activate\nconda activate {ENV_NAME}"
+"""How swebench's eval scripts enter a SWE-bench image's environment, the conda env
+`testbed`: their first two commands, as swebench 2-4 wrote them (make_eval_script_list_py)
+and swebench 5 rows' eval_script carry them. swebench 5 has no constant of it to import."""
 _DOCKER_TAG_MAX_CHARS = 128
 _ELEMENT_WEB_EXCEPTION = (
     "instance_element-hq__element-web-ec0f940ef0e8e3b61078f145f34dc40d1938e6c5-vnan"
@@ -82,6 +91,14 @@ class SWETaskSpec(BaseModel):
     """Container image holding the repository (or the base to clone it into)."""
     workdir: str = Field(pattern=r"^/")
     """The repository in the image: every command's working directory."""
+    env_setup: str | None = Field(default=None, min_length=1)
+    """Shell text that enters the repository's environment (activates its Python, puts its
+    tools on PATH): the swe harness runs it in `workdir`, in the same bash shell, before
+    each of the agent's commands and the grading's, its output hidden
+    (rollout.harness.swe.in_environment); `setup_commands` run before it is entered.
+    SWE-bench rows: `SWEBENCH_ENV_SETUP`; SWE-bench Pro rows: None (their images' ENV
+    lines hold it); generic rows: the row's `env_setup`. None: the image's environment as
+    it is."""
     repo: str = ""
     """owner/name on GitHub."""
     base_commit: str | None = None
@@ -170,6 +187,7 @@ def from_swebench(row: Mapping[str, Any], namespace: str = SWEBENCH_NAMESPACE) -
         problem_statement=_text(row, "problem_statement"),
         image=row.get("image") or swebench_image(instance_id, namespace),
         workdir="/testbed",
+        env_setup=SWEBENCH_ENV_SETUP,
         repo=_text(row, "repo"),
         base_commit=_text(row, "base_commit"),
         eval_script=row.get("eval_script") or None,
@@ -255,8 +273,8 @@ def from_swebench_pro(
 
 def from_generic(row: Mapping[str, Any], default_image: str = DEFAULT_SWE_IMAGE) -> SWETaskSpec:
     """A SWE-Gym / SWE-smith style row: instance_id, problem_statement, and any of image
-    (or image_name), workdir, setup_commands, test_command, eval_script, grading,
-    log_parser, FAIL_TO_PASS / PASS_TO_PASS (either case), base_commit, repo, patch,
+    (or image_name), workdir, env_setup, setup_commands, test_command, eval_script,
+    grading, log_parser, FAIL_TO_PASS / PASS_TO_PASS (either case), base_commit, repo, patch,
     test_patch. Grading defaults to "swebench" with an eval_script, else "script"."""
     instance_id = _text(row, "instance_id")
     eval_script = row.get("eval_script") or None
@@ -272,6 +290,7 @@ def from_generic(row: Mapping[str, Any], default_image: str = DEFAULT_SWE_IMAGE)
         "image",
         "image_name",
         "workdir",
+        "env_setup",
         "setup_commands",
         "test_command",
         "eval_script",
@@ -298,6 +317,7 @@ def from_generic(row: Mapping[str, Any], default_image: str = DEFAULT_SWE_IMAGE)
         problem_statement=_text(row, "problem_statement"),
         image=row.get("image") or row.get("image_name") or default_image,
         workdir=row.get("workdir") or "/testbed",
+        env_setup=row.get("env_setup") or None,
         repo=row.get("repo") or "",
         base_commit=_optional_text(row, "base_commit"),
         setup_commands=_commands(row, "setup_commands"),
