@@ -38,5 +38,5 @@ COPY docker/install-opd.sh /tmp/install-opd.sh
 RUN bash /tmp/install-opd.sh /tmp/opd \
     && rm -rf /tmp/opd /tmp/install-opd.sh
 
-# slime's train.py and tools/ are run from here (launch/config.py: cluster.slime_dir).
+# slime's train.py and tools/ are run from here (slime_ext/job/config.py: cluster.slime_dir).
 WORKDIR /root/slime

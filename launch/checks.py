@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from launch.config import ConfigError, JobConfig
 from launch.plan import check_cluster, hosts_from_config
+from slime_ext.job.config import ConfigError, JobConfig
 from teacher_server.backend import tokenizer_identity, vocab_digest
 
 LAUNCH = "opd launch"

@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from launch.cli_help import hide_flag_types, version_option
-from launch.config import ConfigError, JobConfig, config_to_yaml, load_config
 from launch.dashboard import (
     DEFAULT_NAME,
     DEFAULT_X_AXIS,
@@ -20,6 +19,7 @@ from launch.dashboard import (
 )
 from launch.eval_cli import compare, eval_app, sweep_app
 from launch.ssd_cli import ssd_app
+from slime_ext.job.config import ConfigError, JobConfig, config_to_yaml, load_config
 
 hide_flag_types()
 console = Console()

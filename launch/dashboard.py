@@ -39,6 +39,16 @@ DEFAULT_X_AXIS = "_step"
 ABORT_COUNTS = "rollout/abort_count/"
 """A family: one key per abort reason (rollout/abort_count/<reason>), drawn in one panel."""
 
+SANDBOX_HOST_LOAD = "rollout/sandbox_host_active/"
+"""A family: the sandboxes in use on each sandbox host."""
+SANDBOX_FAILURES = "rollout/sandbox_failures/"
+"""A family: the fleet's infrastructure failures by kind (SandboxDiedError, ...)."""
+FAMILY_TITLES = {
+    ABORT_COUNTS: "rollout/abort_count by reason",
+    SANDBOX_HOST_LOAD: "sandboxes in use by host",
+    SANDBOX_FAILURES: "sandbox failures by kind",
+}
+
 SECTIONS: Mapping[str, tuple[str, ...]] = {
     "Training dynamics": (
         "perf/step_time",
@@ -65,11 +75,23 @@ SECTIONS: Mapping[str, tuple[str, ...]] = {
         "rollout/pass_rate",
     ),
     "Cost": ("perf/processed_tokens_per_loss_token",),
+    "Sandboxes": (
+        SANDBOX_HOST_LOAD,
+        SANDBOX_FAILURES,
+        "rollout/sandbox_warm_hit_rate",
+        "rollout/sandbox_start_s_p50",
+        "rollout/sandbox_start_s_p90",
+        "rollout/sandbox_start_retries",
+        "rollout/sandbox_breaker_opens",
+    ),
 }
 """Section title -> its metric keys, one line plot each; a key ending in "/" is a family."""
 
 CLUSTER_ONLY = frozenset({"perf/actor_train_time"})
 """Keys slime logs itself (its actor's update time); the local loop has no such phase."""
+
+SWE_ONLY = frozenset(SECTIONS["Sandboxes"])
+"""The sandbox fleet's keys (slime_ext.job.sandboxes.fleet_metrics): SWE jobs only."""
 
 API_KEY_ENV = "WANDB_API_KEY"
 
@@ -88,9 +110,7 @@ def line_plot(key: str, x_axis: str = DEFAULT_X_AXIS) -> wr.LinePlot:
     import wandb_workspaces.reports.v2 as wr
 
     if key.endswith("/"):
-        return wr.LinePlot(
-            title=f"{key.rstrip('/')} by reason", x=x_axis, metric_regex=family_regex(key)
-        )
+        return wr.LinePlot(title=FAMILY_TITLES[key], x=x_axis, metric_regex=family_regex(key))
     return wr.LinePlot(title=key, x=x_axis, y=[key])
 
 

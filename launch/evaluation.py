@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from launch.eval_report import (
@@ -57,7 +56,8 @@ from rollout.policy import Policy, SamplingParams
 from rollout.runner import Runner, RunnerConfig
 from rollout.trajectory import Task
 from sandbox.base import SandboxError
-from sandbox.fleet import Fleet, FleetConfig, HostConfig, InProcessHost
+from slime_ext.job.config import SandboxConfig
+from slime_ext.job.sandboxes import JobSandboxes, run_owner
 
 EvalKind = Literal["swe", "math"]
 SCRIPTED_TOKEN_LIMIT = 1 << 30
@@ -218,44 +218,28 @@ def runner_config_of(settings: EvalSettings, concurrency: int) -> RunnerConfig:
     )
 
 
-def load_fleet(path: Path) -> tuple[FleetConfig, list[HostConfig]]:
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    if not isinstance(data, dict) or not data.get("hosts"):
-        raise ValueError(f"{path}: a fleet file needs `hosts:` (a list of host settings)")
-    unknown = set(data) - {"config", "hosts"}
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: config, hosts")
-    config = FleetConfig.model_validate(data.get("config") or {})
-    return config, [HostConfig.model_validate(host) for host in data["hosts"]]
-
-
 @contextlib.asynccontextmanager
 async def sandboxes_for(
     benchmarks: dict[str, list[Task]], options: RunOptions, harness: SWEHarness, owner: str
-) -> AsyncIterator[Fleet]:
-    """The fleet SWE sandboxes come from: the fleet file's hosts, or one host here."""
-    if options.fleet_file is not None:
-        config, hosts = load_fleet(options.fleet_file)
-    else:
+) -> AsyncIterator[JobSandboxes]:
+    """The sandboxes SWE instances run in: the fleet file's hosts, or one host here."""
+    backend = options.sandbox
+    if backend is None and options.fleet_file is None:
         any_image = any(
             harness.family(task).image(task) is not None
             for tasks in benchmarks.values()
             for task in tasks
         )
-        backend = options.sandbox or ("docker" if any_image else "local")
-        config = FleetConfig(owner=owner)
-        hosts = [
-            HostConfig(
-                name="here",
-                backend=backend,
-                local=harness.config.sandbox,
-                docker=harness.config.docker,  # writable: SWE images hold the repo
-                max_sandboxes=options.max_sandboxes,
-            )
-        ]
-    fleet = Fleet([InProcessHost(host, config.owner) for host in hosts], config)
-    async with fleet:
-        yield fleet
+        backend = "docker" if any_image else "local"
+    section = SandboxConfig(
+        backend=backend or "auto",
+        hosts="here",
+        fleet_file=None if options.fleet_file is None else str(options.fleet_file),
+        command_timeout_s=harness.config.command_timeout_s,
+        max_sandboxes=options.max_sandboxes,
+    )
+    async with JobSandboxes(section, owner) as sandboxes:
+        yield sandboxes
 
 
 async def _run(
@@ -270,14 +254,11 @@ async def _run(
     async with contextlib.AsyncExitStack() as stack:
         policy, tokenizer = await stack.enter_async_context(policy_factory())
         if isinstance(harness, SWEHarness):
-            owner = (
-                "opd-eval-"
-                + hashlib.sha256(str(options.out_dir.resolve()).encode()).hexdigest()[:8]
-            )
-            fleet = await stack.enter_async_context(
+            owner = run_owner(options.out_dir, prefix="opd-eval")
+            sandboxes = await stack.enter_async_context(
                 sandboxes_for(benchmarks, options, harness, owner)
             )
-            harness.sandbox_factory = fleet.sandbox
+            harness.sandbox_factory = sandboxes.sandbox
         renderer = ChatRenderer(
             tokenizer,
             harness.tools,

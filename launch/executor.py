@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 
 from launch.checks import check_tokenizers, local_tokenizer_identity
-from launch.config import ConfigError, JobConfig
 from launch.plan import Step, slug
+from slime_ext.job.config import ConfigError, JobConfig
 
 Report = Callable[[str], None]
 STOP_GRACE_S = 30

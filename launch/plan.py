@@ -21,15 +21,16 @@ from typing import Literal
 
 import yaml
 
-from launch.config import (
+from launch.sequence_layout import resolve as resolve_layout
+from slime_ext.job.config import (
     OPRD_ON_SLIME,
     RECIPES_WITH_TEACHER,
     ConfigError,
     JobConfig,
     config_to_yaml,
 )
-from launch.sequence_layout import resolve as resolve_layout
-from launch.slime_flags import (
+from slime_ext.job.sandboxes import describe_sandboxes, hosts_of
+from slime_ext.job.slime_flags import (
     SAMPLED_ON_SLIME,
     TOP_P_BELOW_ONE,
     extra_args_problems,
@@ -140,10 +141,33 @@ def check_cluster(job: JobConfig) -> None:
             )
         if teacher.node is not None and teacher.model is None:
             problems.append("teacher.model: the checkpoint `opd launch` serves on teacher.node")
-    problems += _sampling_problems(job)
+    problems += _sampling_problems(job) + _sandbox_problems(job)
     problems += extra_args_problems(job)
     if problems:
         raise ConfigError("not launchable on a cluster:\n  " + "\n  ".join(problems))
+
+
+def _sandbox_problems(job: JobConfig) -> list[str]:
+    """Where a SWE job's sandboxes would start, when nothing offers them."""
+    section = job.sandbox
+    if job.rollout.harness != "swe" or section.backend == "e2b" or section.fleet_file:
+        return []
+    if section.hosts == "ray" and not job.cluster.sandbox_hosts:
+        return [
+            "sandbox.hosts ray: cluster.sandbox_hosts names no node to start the sandbox "
+            "hosts on (or set sandbox.hosts: here to run every sandbox on the head)"
+        ]
+    hosts = len(job.cluster.sandbox_hosts) if hosts_of(job) == "ray" else 1
+    if job.rollout.concurrency > section.max_sandboxes * hosts:
+        # a trajectory waits for a free sandbox, then aborts at the fleet's acquire timeout
+        per_host = -(-job.rollout.concurrency // hosts)
+        return [
+            f"sandbox.max_sandboxes {section.max_sandboxes}: rollout.concurrency "
+            f"{job.rollout.concurrency} trajectories at once need as many sandboxes, and "
+            f"{hosts} sandbox host(s) give {section.max_sandboxes * hosts}: set "
+            f"sandbox.max_sandboxes: {per_host} (or add sandbox hosts)"
+        ]
+    return []
 
 
 def _sampling_problems(job: JobConfig) -> list[str]:
@@ -344,6 +368,8 @@ def _sync_step(job: JobConfig, host: str, run: str) -> Step:
 
 def _submit_note(job: JobConfig) -> str:
     rollout, notes = job.rollout, [_save_interval_note(job)]
+    if rollout.harness == "swe":
+        notes.append(f"SWE sandboxes: {describe_sandboxes(job.sandbox, hosts_of(job))}")
     if job.algorithm.recipe in ("sft", "ssd") and rollout.samples_per_task > 1:
         trajectories = rollout.tasks_per_step * rollout.samples_per_task
         notes.append(
@@ -549,6 +575,8 @@ def secret_names(job: JobConfig) -> list[str]:
     names = list(job.cluster.secret_env)
     if job.teacher.api_key_env and job.algorithm.recipe in RECIPES_WITH_TEACHER:
         names.append(job.teacher.api_key_env)
+    if job.rollout.harness == "swe" and job.sandbox.backend == "e2b":
+        names.append(job.sandbox.e2b_api_key_env)
     return list(dict.fromkeys(names))
 
 

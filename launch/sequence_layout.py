@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.config import ConfigError, JobConfig
+from slime_ext.job.config import ConfigError, JobConfig
 
 HYBRID_NAME = re.compile(
     r"qwen3[._-]?5|qwen3[._-]?next|mamba|jamba|rwkv|lfm2|falcon[._-]?h1|hybrid", re.IGNORECASE

@@ -7,6 +7,7 @@ opd ssd export --trajectories runs/ssd/t.jsonl --out runs/ssd/sft.parquet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -14,12 +15,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from launch.config import config_from_dict
 from launch.policies import open_policy, resolve_policy
-from launch.runtime import harness_for, runner_config
 from rollout.chat import ChatRenderer
 from rollout.runner import Runner
 from rollout.trajectory import TrajectoryFormatError, read_jsonl
+from slime_ext.job.assembly import harness_for, runner_config
+from slime_ext.job.config import config_from_dict
+from slime_ext.job.sandboxes import JobSandboxes, run_owner
 from slime_ext.ssd import (
     ExportSummary,
     SampleSummary,
@@ -118,7 +120,8 @@ def sample(
         )
         task_list = load_tasks(tasks, seed=seed)
         done = done_samples(out)
-        agent = harness_for(job)
+        sandboxes = JobSandboxes.of_job(job, run_owner(out, prefix="opd-ssd"))
+        agent = harness_for(job, sandboxes if harness == "swe" else None)
         for task in task_list:  # a task the harness cannot start fails here, not mid-run
             agent.initial_messages(task)
         source = resolve_policy(policy, tokenizer, models_dir or out.parent / "models", seed)
@@ -139,7 +142,12 @@ def sample(
 
     async def run() -> None:
         sampler_seed = resume_seed(seed, len(done))
-        async with open_policy(source, sampler_seed, concurrency) as (backend, hf_tokenizer):
+        async with (
+            open_policy(source, sampler_seed, concurrency) as (backend, hf_tokenizer),
+            contextlib.AsyncExitStack() as stack,
+        ):
+            if harness == "swe":
+                await stack.enter_async_context(sandboxes)
             renderer = ChatRenderer(
                 hf_tokenizer,
                 agent.tools,

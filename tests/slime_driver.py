@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from launch.config import JobConfig
 from launch.plan import train_args
+from slime_ext.job.config import JobConfig
 from tests import slime_cpu
 
 

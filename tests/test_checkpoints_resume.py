@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from launch.cli import app
-from launch.config import JobConfig, config_from_dict, load_config
 from rollout.tasks.arithmetic import make_tasks
+from slime_ext.job.config import JobConfig, config_from_dict, load_config
 from slime_ext.local.checkpoints import ResumeOptions, RunDirError, open_run
 from slime_ext.local.loop import LocalRun
 from slime_ext.local.run_config import TRAIN_TASKS

@@ -8,7 +8,7 @@ import yaml
 from typer.testing import CliRunner
 
 from launch.cli import app
-from launch.config import (
+from slime_ext.job.config import (
     ConfigError,
     JobConfig,
     apply_overrides,
@@ -34,7 +34,7 @@ def test_defaults_are_a_local_opd_job() -> None:
     config = JobConfig()
     assert config.algorithm.recipe == "opd"
     assert config.teacher.kind == "embedded"
-    assert config.sandbox.backend == "local"
+    assert config.sandbox.backend == "auto" and config.sandbox.hosts == "auto"
     assert config.parallel.gpus_per_node == 0
     assert config.rollout.top_p == 1.0 and config.rollout.top_k == -1  # OPD samples untruncated
 
@@ -277,7 +277,6 @@ def test_validate_checks_each_example_for_the_command_it_is_for(path: Path) -> N
 @pytest.mark.parametrize(
     ("data", "problem"),
     [
-        ({"rollout": {"harness": "swe"}}, "rollout.harness: the local trainer runs the tir"),
         ({"algorithm": {"recipe": "ssd"}}, "algorithm.recipe 'ssd': the local trainer runs"),
         ({"model": {"student": "bundled:coach"}}, "model.student 'bundled:coach': bundled"),
         ({"teacher": {"model": "bundled:tutor"}}, "teacher.model 'bundled:tutor': bundled"),

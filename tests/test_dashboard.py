@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,12 +18,13 @@ import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 from rich.console import Console
 
-from launch.config import JobConfig
 from launch.dashboard import (
     ABORT_COUNTS,
     API_KEY_ENV,
     CLUSTER_ONLY,
+    FAMILY_TITLES,
     SECTIONS,
+    SWE_ONLY,
     MissingWandbKey,
     build_report,
     build_workspace,
@@ -34,13 +36,14 @@ from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRHarness
 from rollout.runner import Runner, RunnerConfig
 from rollout.trajectory import Task, Trajectory, TrajectoryStatus
+from slime_ext.job.config import JobConfig
 from slime_ext.local.factory import build_model
 from slime_ext.local.loop import LocalRun
 from slime_ext.local.progress import TrainingReport
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 from slime_ext.slime import loss as slime_loss
 from slime_ext.slime.metrics import sample_metrics
-from slime_ext.slime.samples import to_samples
+from slime_ext.slime.samples import FLEET_STATS_KEY, to_samples
 from tests.slime_driver import sample_class
 from tests.test_runner import REPLIES, TASKS, ScriptedPolicy
 
@@ -67,7 +70,8 @@ def _plotted(panel: Any, x_axis: str = "_step") -> str:
     assert panel.x == x_axis
     if panel.metric_regex is not None:
         assert panel.y == []
-        return ABORT_COUNTS if panel.metric_regex == family_regex(ABORT_COUNTS) else "?"
+        families = [key for key in FAMILY_TITLES if panel.metric_regex == family_regex(key)]
+        return families[0] if families else "?"
     [key] = panel.y
     return str(key)
 
@@ -139,8 +143,8 @@ def _json_key(panel: dict[str, Any]) -> str:
     assert panel["viewType"] == "Run History Line Plot"
     assert config["xAxis"] == "rollout/step"
     if config.get("useMetricRegex"):
-        assert config["metricRegex"] == family_regex(ABORT_COUNTS)
-        return ABORT_COUNTS
+        [family] = [key for key in FAMILY_TITLES if config["metricRegex"] == family_regex(key)]
+        return family
     [key] = config["metrics"]
     return str(key)
 
@@ -170,7 +174,9 @@ def test_dry_run_summary_counts_sections_and_panels_of_what_was_asked(
     monkeypatch.chdir(tmp_path)
     text = dashboard(ENTITY, PROJECT, kind, "OPD", True, None)  # type: ignore[arg-type]
     other = "report" if kind == "workspace" else "workspace"
-    assert text.startswith(f"{kind} 'OPD' in {ENTITY}/{PROJECT}: 3 sections, {len(KEYS)} panels")
+    assert text.startswith(
+        f"{kind} 'OPD' in {ENTITY}/{PROJECT}: {len(SECTIONS)} sections, {len(KEYS)} panels"
+    )
     assert other not in text
     for title, keys in SECTIONS.items():
         assert f"  {title}: {len(keys)} panel" in text
@@ -246,6 +252,7 @@ def test_local_loop_logs_every_plotted_metric_but_slimes_own(
     run.step = 0
     run.hints = None
     run.reminders = None
+    run._sandboxes = None
     model = build_model("qwen3-tiny", factory_tokenizer, seed=2)
     run.trainer = LocalTrainer(model, TrainerConfig())
     (tmp_path / "trajectories").mkdir()
@@ -253,18 +260,47 @@ def test_local_loop_logs_every_plotted_metric_but_slimes_own(
     step = run._one_step(ReplayRunner(rollouts), TASKS, "opd", report, None)  # type: ignore[arg-type]
     metrics = asyncio.run(step)
     assert set(KEYS) >= CLUSTER_ONLY
-    missing = [key for key in KEYS if key not in CLUSTER_ONLY and not _logs(key, metrics)]
+    local_tir = [key for key in KEYS if key not in CLUSTER_ONLY | SWE_ONLY]
+    missing = [key for key in local_tir if not _logs(key, metrics)]
     assert missing == []
     assert metrics[f"{ABORT_COUNTS}{ABORT_REASON}"] == 1.0
 
 
-def test_slime_hooks_log_every_plotted_rollout_metric(rollouts: list[Trajectory]) -> None:
+@pytest.fixture(scope="module")
+def fleet_stats() -> dict[str, float]:
+    """What a SWE job's generate hook puts on its trajectories: fleet_metrics of a real
+    fleet that ran a sandbox (a failure added: a healthy run has none to plot)."""
+    from slime_ext.job.config import SandboxConfig
+    from slime_ext.job.sandboxes import JobSandboxes, fleet_metrics
+
+    async def go() -> dict[str, Any]:
+        async with JobSandboxes(SandboxConfig(backend="local"), f"dash-{os.getpid()}") as boxes:
+            async with boxes.sandbox(None) as sandbox:
+                await sandbox.exec("true", 10)
+            return boxes.metrics()
+
+    fleet = asyncio.run(go())
+    fleet["failures_by_kind"] = {"SandboxDiedError": 1}
+    stats = fleet_metrics(fleet)
+    assert stats["rollout/sandbox_host_active/here-local"] == 0.0
+    assert stats["rollout/sandbox_acquired"] == 1.0
+    return stats
+
+
+def test_slime_hooks_log_every_plotted_rollout_metric(
+    rollouts: list[Trajectory], fleet_stats: dict[str, float]
+) -> None:
+    swe = [t.model_copy(deep=True) for t in rollouts]
+    earlier = {**fleet_stats, "rollout/sandbox_acquired": 0.0, "rollout/sandbox_start_retries": 9.0}
+    swe[0].metadata[FLEET_STATS_KEY] = earlier
+    swe[1].metadata[FLEET_STATS_KEY] = fleet_stats
     samples = [
         sample
-        for index, trajectory in enumerate(rollouts)
+        for index, trajectory in enumerate(swe)
         for sample in to_samples(trajectory, sample_class()(index=index, prompt="p"), "kl")
     ]
     metrics = sample_metrics(samples)
+    assert metrics["rollout/sandbox_start_retries"] == fleet_stats["rollout/sandbox_start_retries"]
     from_hook = [k for k in KEYS if k.startswith("rollout/") or k.endswith("_per_turn")]
     assert [key for key in from_hook if not _logs(key, metrics)] == []
     # the custom loss's metrics, which slime logs under train/

@@ -20,7 +20,6 @@ import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launch.config import config_from_dict
 from rollout.chat import ChatRenderer, RecordedTurn
 from rollout.harness.base import Episode, StepOutcome
 from rollout.harness.tir import TIRHarness
@@ -36,6 +35,7 @@ from rollout.policy import (
 from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Task, Trajectory, read_jsonl
+from slime_ext.job.config import config_from_dict
 from slime_ext.local.loop import LocalRun, tir_harness
 from slime_ext.local.opd_demo import bundled_models
 from teacher_server.app import create_app

@@ -200,7 +200,7 @@ def test_trainer_image_installs_this_package_with_the_image_pinned(dockerfile: P
     assert any(rest.startswith("bash /tmp/install-opd.sh /tmp/opd") for rest in runs)
     assert not any("pip install" in rest and "/tmp/opd" in rest for rest in runs)
     workdirs = [rest for keyword, rest in steps if keyword == "WORKDIR"]
-    assert workdirs[-1] == "/root/slime"  # launch/config.py: cluster.slime_dir
+    assert workdirs[-1] == "/root/slime"  # slime_ext/job/config.py: cluster.slime_dir
 
 
 @pytest.mark.parametrize("dockerfile", TRAINERS, ids=lambda p: p.name)

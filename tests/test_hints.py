@@ -10,8 +10,6 @@ import httpx
 import pytest
 import torch
 
-from launch.config import ConfigError, config_from_dict
-from launch.runtime import hinted_teacher_context, runner_config
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRHarness
 from rollout.hints import (
@@ -27,6 +25,8 @@ from rollout.policy import Generation, HFPolicy, PolicyError, SamplingParams
 from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Task, Trajectory
+from slime_ext.job.assembly import hinted_teacher_context, runner_config
+from slime_ext.job.config import ConfigError, config_from_dict
 from slime_ext.local.factory import build_checkpoint
 from teacher_server.api import ScoreItem, ScoreResult
 from teacher_server.app import create_app

@@ -28,10 +28,18 @@ from typer.testing import CliRunner
 
 from launch.checks import check_tokenizers, local_tokenizer_identity
 from launch.cli import app
-from launch.config import ConfigError, config_from_dict, load_config, read_config_data
 from launch.executor import Executor, LaunchError
-from launch.plan import Hosts, Step, build_plan, check_cluster, hosts_from_config, render_dry_run
-from launch.slime_flags import given_flags
+from launch.plan import (
+    Hosts,
+    Step,
+    build_plan,
+    check_cluster,
+    hosts_from_config,
+    render_dry_run,
+    secret_names,
+)
+from slime_ext.job.config import ConfigError, config_from_dict, load_config, read_config_data
+from slime_ext.job.slime_flags import given_flags
 from teacher_server.cli import app as teacher_cli
 from tests import megatron_converter_standin as converter_standin
 from tests.live_server import free_port
@@ -360,11 +368,33 @@ def _cluster_job(**sections: Any) -> Any:
         ({"cluster": {"save_dir": None}}, "cluster.save_dir"),
         ({"cluster": {"tasks_file": None}}, "cluster.tasks_file"),
         ({"teacher": {"model": None}}, "teacher.model: the checkpoint"),
+        (
+            {"sandbox": {"hosts": "ray"}, "cluster": {"sandbox_hosts": []}},
+            "sandbox.hosts ray: cluster.sandbox_hosts names no node",
+        ),
+        (
+            {"sandbox": {"max_sandboxes": 16}},
+            r"2 sandbox host\(s\) give 32: set sandbox.max_sandboxes: 128",
+        ),
+        (
+            {"sandbox": {"hosts": "here", "max_sandboxes": 200}},
+            r"1 sandbox host\(s\) give 200: set sandbox.max_sandboxes: 256",
+        ),
     ],
 )
 def test_cluster_checks_say_what_to_fix(sections: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         check_cluster(_cluster_job(**sections))
+
+
+def test_plan_says_where_swe_sandboxes_run_and_passes_the_e2b_key_by_name() -> None:
+    submit = build_plan(_cluster_job(), hosts_from_config(_cluster_job()))[-1]
+    assert "SWE sandboxes: docker on every Ray node offering the sandbox-host" in submit.note
+    e2b = _cluster_job(sandbox={"backend": "e2b", "e2b_api_key_env": "TEAM_E2B_KEY"})
+    check_cluster(e2b)  # E2B needs no sandbox hosts
+    assert "TEAM_E2B_KEY" in secret_names(e2b) and "TEAM_E2B_KEY" not in secret_names(
+        _cluster_job()
+    )
 
 
 def test_missing_nodes_are_named() -> None:

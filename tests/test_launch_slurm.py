@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from launch.config import config_from_dict
 from launch.plan import render_sbatch
+from slime_ext.job.config import config_from_dict
 from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
 from tests.live_server import free_port
 from tests.slurm_cluster import require_slurm, slurm_cluster

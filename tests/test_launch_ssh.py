@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from launch.config import config_from_dict, config_to_yaml
+from slime_ext.job.config import config_from_dict, config_to_yaml
 from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
 from tests.live_server import free_port
 from tests.ssh_nodes import SshNodes, require_ssh, ssh_nodes

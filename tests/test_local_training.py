@@ -267,7 +267,7 @@ def test_opsd_trains_against_a_hinted_self_teacher(tmp_path: Path, snapshot: dic
     """Recipe opsd: the teacher is the student's initial checkpoint served on 127.0.0.1,
     its contexts carry a reference hint; two steps train and log the hint metrics; refresh
     and ema push the student's (averaged) weights to the service between steps."""
-    from launch.config import config_from_dict
+    from slime_ext.job.config import config_from_dict
     from slime_ext.local.run_config import run_local_job
 
     job = config_from_dict(
@@ -297,7 +297,7 @@ def test_opsd_trains_against_a_hinted_self_teacher(tmp_path: Path, snapshot: dic
 def test_opsd_with_the_students_own_hint_trains_on_the_local_trainer(tmp_path: Path) -> None:
     """hint: student: after each trajectory the local HF policy (the student being trained)
     writes the hint; every trajectory asks once, and its turns are scored after it."""
-    from launch.config import config_from_dict
+    from slime_ext.job.config import config_from_dict
     from slime_ext.local.run_config import run_local_job
 
     job = config_from_dict(
@@ -315,3 +315,34 @@ def test_opsd_with_the_students_own_hint_trains_on_the_local_trainer(tmp_path: P
     )
     assert asked == 2 and metrics["rollout/hint_errors"] == 0
     assert metrics["train/trajectories_trained"] == 2 and "rollout/opd_reverse_kl" in metrics
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recipe", ["opd", "rl"])
+def test_swe_trains_on_the_local_trainer_in_the_jobs_sandboxes(tmp_path: Path, recipe: str) -> None:
+    """`opd train` on the SWE config (mini-SWE repositories, local sandboxes through the
+    job's fleet): a step trains, its metrics carry the fleet's, trajectories are written,
+    and periodic evaluation runs held-out mini-SWE tasks in the same sandboxes."""
+    from slime_ext.job.config import load_config
+    from slime_ext.local.run_config import run_local_job
+
+    job = load_config(
+        Path("launch/configs/swe-local.yaml"),
+        [
+            f"algorithm.recipe={recipe}",
+            "algorithm.steps=1",
+            "rollout.tasks_per_step=1",
+            "logging.eval_every_steps=1",
+            "logging.eval_problems=2",
+            f"logging.run_dir={tmp_path / 'run'}",
+            "logging.wandb_mode=disabled",
+        ],
+    )
+    [metrics] = run_local_job(job)
+    assert metrics["rollout/sandbox_acquired"] >= 2 + 2  # the step's 2 samples, 2 held out
+    assert metrics["rollout/sandbox_host_active/here-local"] == 0  # every one given back
+    assert metrics["eval/heldout_problems"] == 2.0
+    assert metrics["train/trajectories_trained"] == 2
+    written = list((tmp_path / "run/trajectories").glob("*.jsonl"))
+    lines = [line for path in written for line in path.read_text().splitlines()]
+    assert len(lines) == 2 and all('"kind":"mini_swe"' in line.replace(" ", "") for line in lines)

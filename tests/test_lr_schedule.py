@@ -14,12 +14,12 @@ import pytest
 import torch
 import yaml
 
-from launch.config import ConfigError, JobConfig, config_from_dict
 from launch.plan import train_args
 from rollout.chat import ChatRenderer, trajectory_from_conversation
 from rollout.harness.tir import TIRHarness
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.trajectory import Trajectory
+from slime_ext.job.config import ConfigError, JobConfig, config_from_dict
 from slime_ext.local.factory import build_model
 from slime_ext.local.trainer import LocalTrainer, ScheduledLR, TrainerConfig
 from tests import slime_cpu

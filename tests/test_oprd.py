@@ -13,7 +13,6 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from launch.config import ConfigError, JobConfig, config_from_dict
 from rollout.chat import ChatRenderer, Message, RecordedTurn, trajectory_from_conversation
 from rollout.harness.base import StepOutcome
 from rollout.harness.tir import TIRHarness
@@ -32,6 +31,7 @@ from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.toolcalls import ToolCall, render_tool_call
 from rollout.trajectory import MaskTier, Task, Trajectory
+from slime_ext.job.config import ConfigError, JobConfig, config_from_dict
 from slime_ext.local.factory import build_model
 from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from slime_ext.losses import (

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from launch.config import ConfigError, config_from_dict
 from launch.plan import build_plan, hosts_from_config
 from launch.sequence_layout import resolve
+from slime_ext.job.config import ConfigError, config_from_dict
 from slime_ext.local.factory import build_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

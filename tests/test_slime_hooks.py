@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from launch.config import config_from_dict
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRHarness
 from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import MaskTier, Trajectory, TrajectoryStatus
+from slime_ext.job.config import config_from_dict
 from slime_ext.local.factory import build_checkpoint, build_model
 from slime_ext.sft_data import read_records, turn_records, write_records
 from slime_ext.slime import generate as generate_module

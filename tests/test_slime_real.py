@@ -42,8 +42,8 @@ from tests.slime_driver import require_slime, rollout_manager, run_ranks, slime_
 
 require_slime()
 
-from launch.config import config_from_dict  # noqa: E402
 from rollout.trajectory import TrajectoryStatus  # noqa: E402
+from slime_ext.job.config import config_from_dict  # noqa: E402
 from slime_ext.sft_data import turn_records, write_records  # noqa: E402
 from slime_ext.slime.samples import to_samples  # noqa: E402
 from slime_ext.slime.settings import HookConfigError  # noqa: E402

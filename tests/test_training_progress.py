@@ -105,8 +105,8 @@ def test_opd_train_into_a_pipe_prints_steps_checkpoints_and_evaluations(tmp_path
 def test_eval_every_without_a_held_out_set_says_so_and_trains_on(
     tmp_path: Path, factory_dir: Path
 ) -> None:
-    from launch.config import config_from_dict
     from rollout.tasks.arithmetic import make_tasks
+    from slime_ext.job.config import config_from_dict
     from slime_ext.local.loop import LocalRun
 
     run_dir = tmp_path / "run"

@@ -1,12 +1,12 @@
-"""The rollout side of a job config: harness, sampling and runner settings, built one way
-for the local trainer and for the slime hooks."""
+"""The rollout side of a job config: harness, sampling and runner settings, teacher
+contexts, built one way for the local trainer, the slime hooks and the CLI (the sandboxes
+in `slime_ext.job.sandboxes`)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from launch.config import JobConfig
 from rollout.chat import ChatRenderer
 from rollout.harness.base import Harness
 from rollout.harness.swe import SWEHarness, SWEHarnessConfig
@@ -15,6 +15,8 @@ from rollout.hints import HINTS_AFTER_ATTEMPT, HintedTeacherContext, StudentHint
 from rollout.policy import Policy, SamplingParams
 from rollout.reminders import ReminderTeacherContext, read_reminder_file, reminder_source
 from rollout.runner import RunnerConfig
+from slime_ext.job.config import JobConfig
+from slime_ext.job.sandboxes import JobSandboxes
 
 TEACHER_RECIPES = ("opd", "opsd", "oprd")
 """Recipes whose rollouts are scored by a teacher, turn by turn."""
@@ -100,12 +102,16 @@ def reminder_teacher_context(
     )
 
 
-def harness_for(job: JobConfig) -> Harness:
-    """The job's harness with its default task families (local sandboxes)."""
+def harness_for(job: JobConfig, sandboxes: JobSandboxes | None = None) -> Harness:
+    """The job's harness with its default task families; a SWE harness takes its sandboxes
+    from `sandboxes` (the job's, opened before the first trajectory starts)."""
     if job.rollout.harness == "tir":
         return TIRHarness(TIRConfig(max_tool_calls=job.rollout.max_turns))
+    if sandboxes is None:
+        raise ValueError("a SWE harness needs the job's sandboxes (JobSandboxes)")
     return SWEHarness(
         SWEHarnessConfig(
             step_limit=job.rollout.max_turns, command_timeout_s=job.sandbox.command_timeout_s
-        )
+        ),
+        sandbox_factory=sandboxes.sandbox,
     )

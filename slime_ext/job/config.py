@@ -161,16 +161,53 @@ class RolloutConfig(Section):
 
 
 class SandboxConfig(Section):
-    backend: Literal["local", "docker", "e2b"] = "local"
-    """Where actions run."""
+    """Where SWE agents' commands run (TIR's python tool always runs in a local sandbox)."""
+
+    backend: Literal["auto", "local", "docker", "e2b"] = "auto"
+    """local: own uid under bubblewrap, no images (mini-SWE); docker: the task's image in
+    a container; e2b: an E2B cloud sandbox from the template mapped to the task's image
+    (`images`); auto: docker for tasks that name an image, local for the others."""
+    hosts: Literal["auto", "here", "ray"] = "auto"
+    """Where local and docker sandboxes start: here (this process's machine and its Docker
+    daemon); ray (one host actor on every Ray node offering the `opd_sandbox_host`
+    resource: the nodes `opd launch` starts on cluster.sandbox_hosts); auto: ray when
+    cluster.sandbox_hosts names any, here otherwise. `fleet_file` overrides it."""
+    fleet_file: str | None = None
+    """A fleet YAML ({config: fleet settings, hosts: [host settings, ...]}) naming the
+    hosts and their daemons itself; the limits below then come from that file."""
     command_timeout_s: float = Field(default=30.0, gt=0.0)
     """Deadline of one command or python call."""
-    memory_mb: int = Field(default=1024, ge=16)
-    """Memory limit of one sandbox."""
-    image: str | None = None
-    """Container image or E2B template (docker / e2b backends)."""
+    memory_mb: int = Field(default=2048, ge=16)
+    """Memory limit of one sandbox (Docker: the container, tmpfs included; local: each
+    process's address space)."""
+    cpus: float = Field(default=1.0, gt=0.0)
+    """CPU quota of one Docker sandbox, in cores."""
+    max_processes: int = Field(default=256, ge=8)
+    """Processes and threads of one sandbox at once."""
+    scratch_mb: int = Field(default=512, ge=1)
+    """Memory-backed scratch working directory of one Docker sandbox (the task's own
+    repository lives in the container's writable layer)."""
     network: bool = False
-    """Whether sandboxed code may use the network."""
+    """Whether sandboxed code may use the network (Docker: the bridge network)."""
+    max_sandboxes: int = Field(default=16, ge=1)
+    """Sandboxes at once on each host (handed out plus warm)."""
+    warm_per_image: int = Field(default=0, ge=0)
+    """Started sandboxes each host keeps ready per image; 0: every start is cold."""
+    image: str | None = None
+    """Docker: the image of tasks that name none; e2b: their template."""
+    images: dict[str, str] = Field(default_factory=dict)
+    """A task's image -> what runs it: another image (docker) or an E2B template (e2b)."""
+    registry: str | None = None
+    """Docker: prefix of task images not in `images` (e.g. registry.internal:5000/)."""
+    e2b_api_key_env: str = "E2B_API_KEY"
+    """e2b: the environment variable holding the E2B API key."""
+
+    @field_validator("registry")
+    @classmethod
+    def _registry_is_a_prefix(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+            raise ValueError("a registry prefix like registry.internal:5000/ (no spaces)")
+        return value
 
 
 class TeacherConfig(Section):
@@ -407,7 +444,7 @@ class ClusterConfig(Section):
     extra_train_args: list[str] = Field(default_factory=list)
     """More slime / Megatron arguments, appended as given. Flags our hooks cannot honour,
     and those the plan sets from this config, are refused with the reason
-    (launch/slime_flags.py)."""
+    (slime_ext/job/slime_flags.py)."""
     ray_port: int = Field(default=6379, ge=1, le=65535)
     dashboard_port: int = Field(default=8265, ge=1, le=65535)
     ray_start_args: list[str] = Field(default_factory=list)

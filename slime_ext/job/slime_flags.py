@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from launch.config import JobConfig
+from slime_ext.job.config import JobConfig
 
 SAMPLED_ON_SLIME = ("opd", "opsd", "oprd", "rl")
 """Recipes whose rollouts our generate hook samples through slime's SGLang router (sft and

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import yaml
 
-from launch.config import ConfigError, JobConfig, config_from_dict, config_to_yaml
+from slime_ext.job.config import ConfigError, JobConfig, config_from_dict, config_to_yaml
 
 CHECKPOINTS = "checkpoints"
 LATEST = "checkpoint"

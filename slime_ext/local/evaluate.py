@@ -1,4 +1,4 @@
-"""Greedy held-out evaluation of a policy on TIR tasks, and paired comparisons."""
+"""Greedy held-out evaluation of a policy (TIR or mini-SWE tasks), and paired comparisons."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 
 from rollout.chat import ChatRenderer
 from rollout.evaluation.stats import wilson_interval
-from rollout.harness.tir import TIRHarness
+from rollout.harness.base import Harness
 from rollout.policy import Policy, SamplingParams
 from rollout.runner import Runner, RunnerConfig
+from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Task, Trajectory
 
@@ -19,8 +20,15 @@ HELDOUT_SEED = 1
 during `opd train`: one fixed set, so runs of any seed compare on it."""
 
 
-def heldout_tasks(count: int) -> list[Task]:
-    """The first `count` held-out arithmetic problems (never drawn for training)."""
+MINI_SWE_HELDOUT_SEED = -1
+"""mini-SWE's held-out tasks: training draws them with the job's seed (model.seed >= 0)."""
+
+
+def heldout_tasks(count: int, harness: str = "tir") -> list[Task]:
+    """The first `count` held-out problems of a harness's tasks (arithmetic for tir,
+    mini-SWE repositories for swe), never drawn for training."""
+    if harness == "swe":
+        return mini_swe.generate_tasks(count, seed=MINI_SWE_HELDOUT_SEED)
     return make_tasks(count, "heldout", seed=HELDOUT_SEED)
 
 
@@ -28,7 +36,7 @@ async def evaluate(
     policy: Policy,
     tokenizer: Any,
     tasks: Sequence[Task],
-    harness: TIRHarness,
+    harness: Harness,
     *,
     concurrency: int = 32,
     max_turns: int = 4,

@@ -27,14 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launch.config import JobConfig
-from launch.runtime import (
-    hinted_teacher_context,
-    reminder_teacher_context,
-    runner_config,
-    teacher_in_process,
-)
 from rollout.chat import ChatRenderer
+from rollout.harness.base import Harness
 from rollout.harness.tir import TIRConfig, TIRHarness
 from rollout.hints import HintedTeacherContext
 from rollout.policy import HFPolicy
@@ -42,6 +36,15 @@ from rollout.reminders import ReminderTeacherContext
 from rollout.runner import Runner, TeacherContext, rollout_metrics
 from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
+from slime_ext.job.assembly import (
+    harness_for,
+    hinted_teacher_context,
+    reminder_teacher_context,
+    runner_config,
+    teacher_in_process,
+)
+from slime_ext.job.config import JobConfig
+from slime_ext.job.sandboxes import JobSandboxes, fleet_metrics, run_owner
 from slime_ext.local.checkpoints import ResumeOptions, open_run, write_checkpoint
 from slime_ext.local.evaluate import accuracy_metrics, correct, evaluate
 from slime_ext.local.preflight import LOCAL_RECIPES
@@ -158,6 +161,10 @@ class LocalRun:
         self.student_dir = student_dir
         self.console = console or Console()
         self.start = open_run(run_dir, job, resume or ResumeOptions())
+        self._sandboxes: JobSandboxes | None = None
+        """SWE: the job's sandboxes while `train` runs."""
+        self._eval_harness: Harness = tir_harness()
+        """What held-out problems run in (SWE: the training harness, its sandboxes)."""
         checkpoint = self.start.checkpoint
         source = checkpoint if checkpoint is not None else student_dir
         self.tokenizer = AutoTokenizer.from_pretrained(source)
@@ -249,7 +256,12 @@ class LocalRun:
                 "supported here"
             )
         total = steps if steps is not None else job.algorithm.steps
-        harness = tir_harness()
+        sandboxes = self._sandboxes = None
+        if job.rollout.harness == "swe":  # the job's sandboxes, opened below
+            sandboxes = self._sandboxes = JobSandboxes.of_job(job, run_owner(self.run_dir))
+        harness = harness_for(job, sandboxes) if sandboxes else tir_harness()
+        # TIR's held-out problems run in fresh workers; SWE's in the job's sandboxes
+        self._eval_harness = harness if sandboxes else tir_harness()
         renderer = ChatRenderer(
             self.tokenizer, harness.tools, think_policy=job.rollout.think_policy
         )
@@ -257,9 +269,13 @@ class LocalRun:
         (self.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []
         report = self._start_report(recipe, total, heldout)
+        if sandboxes is not None:
+            report.line(f"SWE sandboxes: {sandboxes.describe()}")
         if not job.logging.eval_every_steps:
             heldout = None
         async with contextlib.AsyncExitStack() as stack:
+            if sandboxes is not None:
+                await stack.enter_async_context(sandboxes)
             teacher = None
             in_process = teacher_in_process(job)
             if recipe in ("opd", "opsd", "oprd") and not in_process:
@@ -338,14 +354,14 @@ class LocalRun:
 
     async def _evaluate(self, heldout: Sequence[Task]) -> dict[str, float]:
         """Greedy accuracy of the student as it is now (the demo's evaluation, within the
-        rollout's turn and token limits)."""
+        rollout's turn and token limits; SWE: resolved tasks, in the job's sandboxes)."""
         rollout = self.job.rollout
         started = time.perf_counter()
         trajectories = await evaluate(
             HFPolicy(self.model, self.tokenizer.eos_token_id),
             self.tokenizer,
             heldout,
-            tir_harness(),
+            self._eval_harness,
             concurrency=rollout.concurrency,
             max_turns=rollout.max_turns,
             max_new_tokens=rollout.max_new_tokens,
@@ -420,6 +436,8 @@ class LocalRun:
             evaluation = await self._evaluate(heldout)
             report.evaluation(done, evaluation, evaluation["perf/eval_time"])
             metrics.update(evaluation)  # logged with the step after which it was taken
+        if self._sandboxes is not None:  # SWE: the fleet's load, starts and failures
+            metrics.update(fleet_metrics(self._sandboxes.metrics()))
         with (self.run_dir / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps({"step": self.step, **metrics}) + "\n")
         self.step = done

@@ -21,9 +21,9 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from launch.config import JobConfig, load_config
 from rollout.policy import HFPolicy
 from rollout.tasks.arithmetic import make_tasks
+from slime_ext.job.config import JobConfig, load_config
 from slime_ext.local.evaluate import (
     accuracy_metrics,
     correct,

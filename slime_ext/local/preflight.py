@@ -6,7 +6,7 @@ check on a config with parallel.gpus_per_node 0. Light on purpose: no torch impo
 
 from __future__ import annotations
 
-from launch.config import JobConfig
+from slime_ext.job.config import JobConfig
 
 LOCAL_RECIPES = ("opd", "opsd", "oprd", "rl", "sft")
 """Recipes the local trainer runs (SSD trains on pre-tokenized data, on a cluster)."""
@@ -30,11 +30,6 @@ def bundled_name_problem(name: str) -> str | None:
 def local_job_problems(job: JobConfig) -> list[str]:
     """Every reason the local trainer refuses `job`, each with what to do instead."""
     problems = []
-    if job.rollout.harness != "tir":
-        problems.append(
-            "rollout.harness: the local trainer runs the tir harness; SWE jobs run on the "
-            "cluster path (`opd launch`, parallel.gpus_per_node > 0; launch/README.md)"
-        )
     if job.parallel.gpus_per_node:
         problems.append(
             "parallel.gpus_per_node > 0 is a cluster job: run it with `opd launch`, or set "

@@ -15,9 +15,11 @@ from typing import Any
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
-from launch.config import JobConfig
-from launch.runtime import teacher_in_process
+from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks
+from rollout.trajectory import Task
+from slime_ext.job.assembly import teacher_in_process
+from slime_ext.job.config import JobConfig
 from slime_ext.local.checkpoints import ResumeOptions
 from slime_ext.local.evaluate import heldout_tasks
 from slime_ext.local.factory import materialize
@@ -31,6 +33,14 @@ from slime_ext.local.preflight import (
 from slime_ext.local.wandb_log import WandbLogger
 
 TRAIN_TASKS = 4000
+
+
+def training_tasks(job: JobConfig) -> list[Task]:
+    """What `opd train` draws each step's tasks from: synthetic arithmetic (tir) or mini-SWE
+    repositories (swe), by the job's seed."""
+    if job.rollout.harness == "swe":
+        return mini_swe.generate_tasks(TRAIN_TASKS, seed=job.model.seed)
+    return make_tasks(TRAIN_TASKS, "train", seed=job.model.seed)
 
 
 def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
@@ -86,8 +96,10 @@ def run_local_job(
     run_dir = Path(job.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     student_dir = resolve_model(job.model.student, run_dir / "models", seed=job.model.seed)
-    tasks = make_tasks(TRAIN_TASKS, "train", seed=job.model.seed)
-    heldout = heldout_tasks(job.logging.eval_problems) if job.logging.eval_every_steps else None
+    tasks = training_tasks(job)
+    heldout = None
+    if job.logging.eval_every_steps:
+        heldout = heldout_tasks(job.logging.eval_problems, job.rollout.harness)
     run = LocalRun(job, student_dir, run_dir, console, resume)  # refuses before W&B starts
     logger = WandbLogger(job, run_dir, name=run_dir.name)
     try:

@@ -7,7 +7,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from launch.config import JobConfig
+from slime_ext.job.config import JobConfig
 
 
 class WandbLogger:

@@ -18,21 +18,27 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from launch.config import JobConfig
-from launch.runtime import (
-    TEACHER_RECIPES,
-    harness_for,
-    hinted_teacher_context,
-    reminder_teacher_context,
-    runner_config,
-)
 from rollout.chat import ChatRenderer
 from rollout.hints import HintedTeacherContext
 from rollout.policy import SGLangPolicy
 from rollout.reminders import ReminderStats, ReminderTeacherContext
 from rollout.runner import Runner
 from rollout.trajectory import Task, Trajectory
-from slime_ext.slime.samples import HINT_STATS_KEY, REMINDER_STATS_KEY, to_samples
+from slime_ext.job.assembly import (
+    TEACHER_RECIPES,
+    harness_for,
+    hinted_teacher_context,
+    reminder_teacher_context,
+    runner_config,
+)
+from slime_ext.job.config import JobConfig
+from slime_ext.job.sandboxes import JobSandboxes, fleet_metrics, run_owner
+from slime_ext.slime.samples import (
+    FLEET_STATS_KEY,
+    HINT_STATS_KEY,
+    REMINDER_STATS_KEY,
+    to_samples,
+)
 from slime_ext.slime.settings import HookConfigError, config_path, job_config, load_job
 from slime_ext.turns import LossKind
 from teacher_server.client import TeacherClient
@@ -49,6 +55,9 @@ class HookState:
     `stats` count the hints given, refused for leaking, missing and failed."""
     reminders: ReminderTeacherContext | None = None
     """OPRD: the self-teacher's reminded contexts (the student never sees a reminder)."""
+    sandboxes: JobSandboxes | None = None
+    """SWE: the job's sandboxes (on the sandbox-host nodes for a cluster job), opened by
+    the first trajectory."""
 
 
 async def generate(
@@ -62,6 +71,8 @@ async def generate(
         id(asyncio.get_running_loop()),
     )
     task = task_from_sample(sample, job.rollout.harness)
+    if state.sandboxes is not None:
+        await state.sandboxes.open()
     # slime's index is unique per rollout: it names the trajectory (and teacher session)
     if state.hints is not None:
         await state.hints.prepare([task])
@@ -74,6 +85,8 @@ async def generate(
         trajectory.metadata[HINT_STATS_KEY] = state.hints.stats.metrics()
     if reminder_stats is not None:
         trajectory.metadata[REMINDER_STATS_KEY] = asdict(reminder_stats)
+    if state.sandboxes is not None:  # the fleet's counters and load, for the rollout log
+        trajectory.metadata[FLEET_STATS_KEY] = fleet_metrics(state.sandboxes.metrics())
     recipe = job.algorithm.recipe
     # packed only as the plan resolved it (`opd launch` writes packed or per_turn into
     # job.yaml and gives Megatron the tree attention); `auto` here means per turn
@@ -136,7 +149,10 @@ def _state(path: str, router: str, checkpoint: str | None, loop_id: int) -> Hook
     if not checkpoint:
         raise HookConfigError("no tokenizer: set model.tokenizer or slime's --hf-checkpoint")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    harness = harness_for(job)
+    sandboxes = None
+    if job.rollout.harness == "swe":
+        sandboxes = JobSandboxes.of_job(job, run_owner(job.logging.run_dir))
+    harness = harness_for(job, sandboxes)
     renderer = ChatRenderer(
         tokenizer,
         harness.tools,
@@ -165,4 +181,4 @@ def _state(path: str, router: str, checkpoint: str | None, loop_id: int) -> Hook
         teacher=teacher,
         teacher_context=hints if hints is not None else reminders,
     )
-    return HookState(job, runner, hints, reminders)
+    return HookState(job, runner, hints, reminders, sandboxes)

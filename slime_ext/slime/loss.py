@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from launch.config import JobConfig
+from slime_ext.job.config import JobConfig
 from slime_ext.losses import (
     TokenLoss,
     masked_nll,

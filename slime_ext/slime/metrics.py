@@ -27,7 +27,13 @@ from rollout.reminders import ReminderStats
 from rollout.runner import summary_metrics
 from slime_ext.losses import masked_mean
 from slime_ext.slime import topk, tree
-from slime_ext.slime.samples import HINT_STATS_KEY, METADATA_KEY, REMINDER_STATS_KEY, rollout_id_of
+from slime_ext.slime.samples import (
+    FLEET_STATS_KEY,
+    HINT_STATS_KEY,
+    METADATA_KEY,
+    REMINDER_STATS_KEY,
+    rollout_id_of,
+)
 
 
 def log_rollout(
@@ -79,6 +85,9 @@ def sample_metrics(samples: list[Any]) -> dict[str, float]:
     if hint_stats:  # counts since the run started, as the local trainer logs them: the latest
         latest = max(hint_stats, key=_hints_asked)
         metrics.update(latest)
+    fleet_stats = [s[FLEET_STATS_KEY] for s in summaries.values() if s.get(FLEET_STATS_KEY)]
+    if fleet_stats:  # counters since the fleet opened: the latest (most sandboxes acquired)
+        metrics.update(max(fleet_stats, key=lambda stats: stats["rollout/sandbox_acquired"]))
     reminder_stats = [s[REMINDER_STATS_KEY] for s in summaries.values() if REMINDER_STATS_KEY in s]
     if reminder_stats:
         step = ReminderStats()

@@ -34,6 +34,10 @@ tree attention reads (`slime_ext.slime.tree`)."""
 REMINDER_STATS_KEY = "reminder_stats"
 """OPRD: the reminder counts of the trajectory's own teacher contexts (ReminderStats as a
 dict); the rollout log adds up a step's trajectories."""
+FLEET_STATS_KEY = "fleet_stats"
+"""SWE: the job's sandbox fleet (slime_ext.job.sandboxes.fleet_metrics: counters since the
+fleet opened, each host's load) when the trajectory finished; the rollout log reports the
+latest of a step's samples."""
 
 
 def to_samples(
@@ -293,7 +297,7 @@ def _summary(trajectory: Trajectory) -> dict[str, Any]:
     summary = trajectory_summary(trajectory) | {
         "drift_turns": sum(t.drift for t in trajectory.turns)
     }
-    for key in (HINT_STATS_KEY, REMINDER_STATS_KEY):
+    for key in (HINT_STATS_KEY, REMINDER_STATS_KEY, FLEET_STATS_KEY):
         if key in trajectory.metadata:
             summary[key] = trajectory.metadata[key]
     return summary

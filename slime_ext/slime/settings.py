@@ -2,7 +2,7 @@
 
 slime gives a hook nothing but `args`; our settings reach it through `--custom-config-path`,
 whose YAML keys become attributes of `args` (slime/utils/arguments.py, slime_validate_args).
-The key `opd_job_config` names our job YAML (launch.config.JobConfig).
+The key `opd_job_config` names our job YAML (slime_ext.job.config.JobConfig).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.config import OPRD_ON_SLIME, JobConfig, load_config
-from launch.slime_flags import TOP_P_BELOW_ONE, refusal_reason
+from slime_ext.job.config import OPRD_ON_SLIME, JobConfig, load_config
+from slime_ext.job.slime_flags import TOP_P_BELOW_ONE, refusal_reason
 
 CONFIG_KEY = "opd_job_config"
 UNSUPPORTED_SLIME_ARGS = {

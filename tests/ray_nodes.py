@@ -1,0 +1,158 @@
+"""A real multi-node Ray cluster on this one host (REFERENCE.md, "Slurm and Ray on one
+host"): one `ray start --block` per node on its own loopback address (127.0.0.2+), temp
+dir and port block, each in a session of its own so a test can kill a whole node (its
+raylet, agents and workers) at once. Nothing is left behind: every node's processes are
+killed by session and by temp dir at the end (`ray stop` would stop every Ray here)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+@dataclass
+class RayNode:
+    address: str
+    """Its node IP (a loopback address)."""
+    temp_dir: Path
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL the node's whole session: raylet, agents, workers (a machine lost)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        _kill_matching(str(self.temp_dir))
+
+
+@dataclass
+class RayCluster:
+    gcs_address: str
+    """host:port of the head's GCS (ray.init(address=...))."""
+    nodes: list[RayNode] = field(default_factory=list)
+
+    @property
+    def head(self) -> RayNode:
+        return self.nodes[0]
+
+
+def ray_env() -> dict[str, str]:
+    """This environment for Ray's nodes and drivers: token auth on when this machine has a
+    token (Ray turns it on when ~/.ray/auth_token exists), no inherited cluster address."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    token = Path.home() / ".ray/auth_token"
+    if token.exists():
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    return env
+
+
+def _kill_matching(text: str) -> None:
+    subprocess.run(["pkill", "-KILL", "-f", text], check=False, capture_output=True)
+
+
+def _port_args(base: int) -> list[str]:
+    return [
+        f"--node-manager-port={base}",
+        f"--object-manager-port={base + 1}",
+        f"--metrics-export-port={base + 2}",
+        f"--dashboard-agent-listen-port={base + 3}",
+        f"--dashboard-agent-grpc-port={base + 4}",
+        f"--runtime-env-agent-port={base + 5}",
+        f"--min-worker-port={base + 10}",
+        f"--max-worker-port={base + 99}",
+    ]
+
+
+def _start(args: list[str], node: str, temp: Path, env: dict[str, str]) -> RayNode:
+    log = temp.parent / f"{temp.name}.log"
+    handle = log.open("wb")
+    process = subprocess.Popen(
+        [RAY, "start", "--block", "--disable-usage-stats", f"--temp-dir={temp}", *args],
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    handle.close()
+    return RayNode(node, temp, process, log)
+
+
+def _alive_nodes(gcs_address: str, env: dict[str, str]) -> int:
+    probe = (
+        "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+        "print(sum(1 for n in ray.nodes() if n['Alive']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, gcs_address],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+
+@contextlib.contextmanager
+def ray_cluster(
+    root: Path, resources: list[dict[str, float]], *, ready_timeout_s: float = 120.0
+) -> Iterator[RayCluster]:
+    """A head (no resources but 1 CPU) and one worker node per entry of `resources` (its
+    custom resources), all alive before it yields. `root` must be a short path: Ray's
+    socket paths live under it (107 bytes)."""
+    env = ray_env() | {
+        "RAY_health_check_period_ms": "500",  # a killed node is seen dead in seconds
+        "RAY_health_check_failure_threshold": "3",
+        "RAY_health_check_initial_delay_ms": "500",
+    }
+    base = random.Random().randrange(20000, 50000, 1000)
+    gcs_port = base + 999
+    cluster = RayCluster(f"127.0.0.2:{gcs_port}")
+    try:
+        head_args = [
+            "--head",
+            "--node-ip-address=127.0.0.2",
+            f"--port={gcs_port}",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={base + 998}",
+            *_port_args(base),
+        ]
+        cluster.nodes.append(_start(head_args, "127.0.0.2", root / "n0", env))
+        for index, extra in enumerate(resources, start=1):
+            address = f"127.0.0.{2 + index}"
+            args = [
+                f"--address={cluster.gcs_address}",
+                f"--node-ip-address={address}",
+                "--num-cpus=1",
+                f"--resources={json.dumps(extra)}",
+                *_port_args(base + 100 * index),
+            ]
+            cluster.nodes.append(_start(args, address, root / f"n{index}", env))
+        deadline = time.monotonic() + ready_timeout_s
+        while _alive_nodes(cluster.gcs_address, env) < len(cluster.nodes):
+            dead = [node for node in cluster.nodes if node.process.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = "\n".join(
+                    f"--- {n.address}:\n{n.log.read_text(errors='replace')[-2000:]}"
+                    for n in cluster.nodes
+                )
+                raise RuntimeError(f"the Ray cluster did not form:\n{logs}")
+            time.sleep(1.0)
+        yield cluster
+    finally:
+        for node in reversed(cluster.nodes):
+            node.kill()
+        _kill_matching(str(root))

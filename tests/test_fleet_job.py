@@ -1,0 +1,71 @@
+"""The sandbox fleet inside the job, on a real Ray cluster of three nodes on this host (a
+head and two nodes offering the sandbox-host resource, as `opd launch` starts
+cluster.sandbox_hosts): slime's generate_and_rm_group runs our generate hook for a batch of
+mini-SWE samples in a process joined to the cluster (tests/fleet_job_driver.py), every
+sandbox is placed on the two sandbox nodes, and one of them is killed mid-batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.ray_nodes import ray_cluster, ray_env
+from tests.slime_driver import require_slime
+
+require_slime()
+
+SANDBOX_NODE = {"opd_sandbox_host": 1.0}
+SAMPLES = 6
+
+
+@pytest.mark.timeout(600)
+def test_swe_sandboxes_live_on_the_sandbox_nodes_and_survive_losing_one(tmp_path: Path) -> None:
+    with (
+        tempfile.TemporaryDirectory(prefix="rn", dir="/tmp") as root,
+        ray_cluster(Path(root), [SANDBOX_NODE, SANDBOX_NODE]) as cluster,
+    ):
+        doomed = cluster.nodes[1]
+        spec = {
+            "gcs_address": cluster.gcs_address,
+            "work_dir": str(tmp_path),
+            "samples": SAMPLES,
+            "max_sandboxes": 2,
+            "kill_pgid": doomed.process.pid,
+            "kill_temp_dir": str(doomed.temp_dir),
+        }
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.fleet_job_driver", str(tmp_path / "spec.json")],
+            capture_output=True,
+            text=True,
+            timeout=480,
+            check=False,
+            env=ray_env(),
+        )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    report = json.loads(lines[-1].removeprefix("RESULT "))
+    assert report["killed"], "the batch ended before both sandbox nodes held a sandbox"
+    trajectories = report["trajectories"]
+    assert len(trajectories) == SAMPLES
+    lost, survivor = f"{doomed.address}-local", f"{cluster.nodes[2].address}-local"
+    placements = [box for t in trajectories for box in t["sandboxes"]]
+    # every sandbox on a sandbox node, none on the head (127.0.0.2)
+    assert placements and {box["host"] for box in placements} == {lost, survivor}
+    for trajectory in trajectories:  # every trajectory ends with a status and a reason
+        assert trajectory["status"] in {"completed", "truncated", "aborted", "sandbox_error"}
+        assert trajectory["reason"], trajectory
+    on_lost = [t for t in trajectories if any(b["host"] == lost for b in t["sandboxes"])]
+    assert on_lost and all(t["status"] == "sandbox_error" for t in on_lost), on_lost
+    assert all("gone" in t["reason"] or "died" in t["reason"].lower() for t in on_lost), on_lost
+    # the rest ran on the surviving node and finished their script (3 commands, a submit)
+    rest = [t for t in trajectories if t not in on_lost]
+    assert rest and all(t["status"] == "completed" and t["num_turns"] == 4 for t in rest), rest
+    late = [box for box in placements if box["started_after_kill"]]
+    assert late and all(box["host"] == survivor for box in late), trajectories
+    assert report["fleet"]["hosts"][lost]["breaker"] == "open"
