@@ -41,7 +41,6 @@ from packing import synthetic  # bench/packing.py: the script's directory is on 
 from torch import Tensor
 
 from slime_ext.flex_tree import flex_tree
-from slime_ext.local.factory import build_checkpoint, build_model, build_tokenizer
 from slime_ext.losses import (
     generalized_jsd,
     masked_nll,
@@ -49,6 +48,7 @@ from slime_ext.losses import (
     teacher_topk_kl,
     topk_shared_support_kl,
 )
+from slime_ext.models.factory import build_checkpoint, build_model, build_tokenizer
 from slime_ext.turns import pack_trajectory, trunk_then_branches
 from slime_ext.vocab_parallel import token_logprobs
 from teacher_server.api import ScoreItem

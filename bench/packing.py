@@ -24,8 +24,8 @@ import warnings
 import torch
 
 from rollout.trajectory import Task, Trajectory, TrajectoryStatus, Turn
-from slime_ext.local.factory import build_model, build_tokenizer
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+from slime_ext.models.factory import build_model, build_tokenizer
 from slime_ext.turns import packed_batch, per_turn_batch
 
 

@@ -21,7 +21,7 @@ from rollout.policy import HFPolicy, SamplingParams
 from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks
 from slime_ext.local.loop import tir_harness
-from slime_ext.local.opd_demo import bundled_models
+from slime_ext.models.refs import bundled_models
 
 
 async def _rollout(policy: HFPolicy, tokenizer: object, problems: int, temperature: float) -> int:

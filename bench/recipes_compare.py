@@ -51,7 +51,8 @@ from rollout.tasks.arithmetic import make_tasks, rephrased_families, trace_messa
 from rollout.trajectory import Task
 from slime_ext.local.demo_models import trace_trajectories
 from slime_ext.local.loop import LocalRun, embedded_teacher, tir_harness
-from slime_ext.local.opd_demo import _accuracy, bundled_models, demo_job
+from slime_ext.local.opd_demo import _accuracy, demo_job
+from slime_ext.models.refs import bundled_models
 
 
 def run_recipe(

@@ -22,7 +22,7 @@ from rollout.harness.base import StepOutcome
 from rollout.policy import Generation, SamplingParams
 from rollout.runner import Runner, RunnerConfig
 from rollout.trajectory import Task
-from slime_ext.local.factory import build_tokenizer
+from slime_ext.models.factory import build_tokenizer
 
 
 class SimulatedEngine:

@@ -39,7 +39,7 @@ import torch
 from loss_memory import peak_resident_bytes, reset_peak, resident_bytes, set_malloc
 from torch import Tensor
 
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem, ScoreResult
 from teacher_server.hf_backend import HFBackend, HFScorer, ScoreJob
 from teacher_server.metrics import ServerMetrics

@@ -19,7 +19,7 @@ import time
 import warnings
 from pathlib import Path
 
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem
 from teacher_server.hf_backend import HFBackend
 from teacher_server.metrics import ServerMetrics

@@ -9,7 +9,6 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from launch.cli_help import hide_flag_types, version_option
 from launch.dashboard import (
     DEFAULT_NAME,
     DEFAULT_X_AXIS,
@@ -20,6 +19,7 @@ from launch.dashboard import (
 from launch.eval_cli import compare, eval_app, sweep_app
 from launch.ssd_cli import ssd_app
 from slime_ext.job.config import ConfigError, JobConfig, config_to_yaml, load_config
+from teacher_server.cli_help import hide_flag_types, version_option
 
 hide_flag_types()
 console = Console()
@@ -111,7 +111,7 @@ def config_show(
 @factory_app.command("list")
 def factory_list() -> None:
     """List the factory's model presets."""
-    from slime_ext.local.factory import PRESETS
+    from slime_ext.models.factory import PRESETS
 
     for name, spec in sorted(PRESETS.items()):
         console.print(
@@ -127,7 +127,7 @@ def factory_build(
     seed: Annotated[int, typer.Option(help="Initialization seed.")] = 0,
 ) -> None:
     """Build a random-init model and its tokenizer as a HF directory."""
-    from slime_ext.local.factory import UnknownPresetError, build_checkpoint
+    from slime_ext.models.factory import UnknownPresetError, build_checkpoint
 
     try:
         path = build_checkpoint(preset, out, seed=seed)

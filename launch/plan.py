@@ -21,7 +21,6 @@ from typing import Literal
 
 import yaml
 
-from launch.sequence_layout import resolve as resolve_layout
 from slime_ext.job.config import (
     OPRD_ON_SLIME,
     RECIPES_WITH_TEACHER,
@@ -30,6 +29,7 @@ from slime_ext.job.config import (
     config_to_yaml,
 )
 from slime_ext.job.sandboxes import describe_sandboxes, hosts_of
+from slime_ext.job.sequence_layout import resolve as resolve_layout
 from slime_ext.job.slime_flags import (
     SAMPLED_ON_SLIME,
     TOP_P_BELOW_ONE,

@@ -44,7 +44,7 @@ def resolve_policy(
     spec: str, tokenizer_spec: str | None, models_dir: Path, seed: int
 ) -> PolicySource:
     """Resolve --policy / --tokenizer to directories (factory models are built here)."""
-    from slime_ext.local.run_config import resolve_model
+    from slime_ext.models.refs import resolve_model
 
     if spec.startswith(URL_PREFIXES):
         if tokenizer_spec is None:
@@ -144,11 +144,11 @@ def scripted_policy_factory(
 
 def _scripted_tokenizer(tokenizer_spec: str | None, models_dir: Path, seed: int) -> Any:
     if tokenizer_spec is None:
-        from slime_ext.local.factory import build_tokenizer
+        from slime_ext.models.factory import build_tokenizer
 
         return build_tokenizer()
     from transformers import AutoTokenizer
 
-    from slime_ext.local.run_config import resolve_model
+    from slime_ext.models.refs import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(tokenizer_spec, models_dir, seed))

@@ -12,8 +12,8 @@ from typing import Annotated, Literal, NoReturn
 
 import typer
 
-from launch.cli_help import hide_flag_types, version_option
 from teacher_server.api import DEFAULT_MAX_TOP_K
+from teacher_server.cli_help import hide_flag_types, version_option
 
 hide_flag_types()
 app = typer.Typer(
@@ -138,13 +138,12 @@ def serve(
     metrics = ServerMetrics()
     scoring: ScoringBackend
     if chosen == "hf":
-        from slime_ext.local.preflight import UnsupportedLocalJob
-        from slime_ext.local.run_config import resolve_model
+        from slime_ext.models.refs import resolve_model
         from teacher_server.hf_backend import HFBackend, LimitsError
 
         try:
             model_dir = resolve_model(model, FACTORY_CACHE, seed)
-        except (FileNotFoundError, UnsupportedLocalJob, KeyError, ValueError) as err:
+        except (FileNotFoundError, KeyError, ValueError) as err:  # ModelRefError: a ValueError
             _fail(f"model {model}: {_first_line(err)}")
         try:
             scoring = HFBackend(

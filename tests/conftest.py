@@ -17,7 +17,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 @pytest.fixture(scope="session")
 def factory_tokenizer():  # type: ignore[no-untyped-def]
-    from slime_ext.local.factory import build_tokenizer
+    from slime_ext.models.factory import build_tokenizer
 
     return build_tokenizer()
 
@@ -25,6 +25,6 @@ def factory_tokenizer():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def factory_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved factory checkpoint (qwen3-tiny) shared by the session's tests."""
-    from slime_ext.local.factory import build_checkpoint
+    from slime_ext.models.factory import build_checkpoint
 
     return build_checkpoint("qwen3-tiny", tmp_path_factory.mktemp("factory") / "qwen3-tiny")

@@ -147,7 +147,7 @@ def main(spec_path: str) -> None:
     from rollout.harness.swe import SWEHarness
     from rollout.toolcalls import ToolCall
     from slime_ext.job.config import config_from_dict
-    from slime_ext.local.factory import build_checkpoint, build_tokenizer
+    from slime_ext.models.factory import build_checkpoint, build_tokenizer
     from teacher_server.app import create_app
     from teacher_server.hf_backend import HFBackend
     from teacher_server.metrics import ServerMetrics

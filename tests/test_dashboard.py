@@ -37,10 +37,10 @@ from rollout.harness.tir import TIRHarness
 from rollout.runner import Runner, RunnerConfig
 from rollout.trajectory import Task, Trajectory, TrajectoryStatus
 from slime_ext.job.config import JobConfig
-from slime_ext.local.factory import build_model
 from slime_ext.local.loop import LocalRun
 from slime_ext.local.progress import TrainingReport
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+from slime_ext.models.factory import build_model
 from slime_ext.slime import loss as slime_loss
 from slime_ext.slime.metrics import sample_metrics
 from slime_ext.slime.samples import FLEET_STATS_KEY, to_samples

@@ -37,7 +37,7 @@ from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Task, Trajectory, read_jsonl
 from slime_ext.job.config import config_from_dict
 from slime_ext.local.loop import LocalRun, tir_harness
-from slime_ext.local.opd_demo import bundled_models
+from slime_ext.models.refs import bundled_models
 from teacher_server.app import create_app
 from teacher_server.hf_backend import HFBackend
 from teacher_server.metrics import ServerMetrics

@@ -164,7 +164,7 @@ RESUME_CHILD = """
 import sys
 from pathlib import Path
 from launch.evaluation import EvalSettings, RunOptions, run_evaluation
-from slime_ext.local.factory import build_tokenizer
+from slime_ext.models.factory import build_tokenizer
 from tests.scripted_policy import HANG, say, scripted_factory
 
 def script(task_id, sample):

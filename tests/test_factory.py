@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout.harness.tir import PYTHON_TOOL
-from slime_ext.local.factory import (
+from slime_ext.models.factory import (
     MARKUP_TOKENS,
     PRESETS,
     SPECIAL_TOKENS,

@@ -27,7 +27,7 @@ from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Task, Trajectory
 from slime_ext.job.assembly import hinted_teacher_context, runner_config
 from slime_ext.job.config import ConfigError, config_from_dict
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem, ScoreResult
 from teacher_server.app import create_app
 from teacher_server.client import TeacherClient

@@ -20,7 +20,6 @@ from rollout.harness.tir import TIRHarness
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.trajectory import MaskTier, Trajectory, read_jsonl
 from slime_ext.local.evaluate import paired_difference
-from slime_ext.local.factory import build_model
 from slime_ext.local.loop import tasks_for_step
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig, group_advantages
 from slime_ext.losses import (
@@ -29,6 +28,7 @@ from slime_ext.losses import (
     reverse_kl_pg_loss,
     teacher_topk_kl,
 )
+from slime_ext.models.factory import build_model
 from slime_ext.turns import per_turn_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -20,8 +20,8 @@ from rollout.harness.tir import TIRHarness
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.trajectory import Trajectory
 from slime_ext.job.config import ConfigError, JobConfig, config_from_dict
-from slime_ext.local.factory import build_model
 from slime_ext.local.trainer import LocalTrainer, ScheduledLR, TrainerConfig
+from slime_ext.models.factory import build_model
 from tests import slime_cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -242,7 +242,7 @@ def test_resumed_run_continues_the_schedule(tmp_path: Path) -> None:
     """Save after 3 of 6 cosine steps (2 of warmup), reload: the next step's LR is the one
     the uninterrupted run takes; a checkpoint from before schedules resumes at its step."""
     from slime_ext.local.loop import LocalRun
-    from slime_ext.local.run_config import resolve_model
+    from slime_ext.models.refs import resolve_model
 
     job = JobConfig.model_validate(
         {

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from slime_ext.local.opd_demo import bundled_models, run_opd_demo
+from slime_ext.local.opd_demo import run_opd_demo
+from slime_ext.models.refs import bundled_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -32,7 +32,6 @@ from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.toolcalls import ToolCall, render_tool_call
 from rollout.trajectory import MaskTier, Task, Trajectory
 from slime_ext.job.config import ConfigError, JobConfig, config_from_dict
-from slime_ext.local.factory import build_model
 from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from slime_ext.losses import (
     masked_nll,
@@ -40,6 +39,7 @@ from slime_ext.losses import (
     teacher_topk_kl,
     topk_shared_support_kl,
 )
+from slime_ext.models.factory import build_model
 from teacher_server.api import ScoreItem, ScoreResult
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -492,7 +492,7 @@ def test_oprd_trains_locally_and_refreshes_its_in_process_teacher(tmp_path: Path
     snapshot in the loss, the refresh at 20/40/60/80% of training copying the student in."""
     from rollout.tasks.arithmetic import make_tasks as tasks_for
     from slime_ext.local.loop import LocalRun
-    from slime_ext.local.run_config import resolve_model
+    from slime_ext.models.refs import resolve_model
 
     job = JobConfig.model_validate(
         {

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Turn
 from slime_ext.flex_tree import FlexBackwardUnavailable, flex_tree
-from slime_ext.local.factory import build_model
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+from slime_ext.models.factory import build_model
 from slime_ext.turns import (
     PackingUnsupported,
     attention_rule,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout.policy import HFPolicy, SamplingParams, SGLangPolicy
-from slime_ext.local.factory import build_model
+from slime_ext.models.factory import build_model
 from teacher_server.api import MAX_ROUTING_KEY_LEN, ROUTING_HEADER, routing_key
 from tests.live_server import serve_in_thread
 from tests.sglang_standin import create_standin

@@ -22,7 +22,7 @@ from rollout.runner import Runner, RunnerConfig, rollout_metrics
 from rollout.toolcalls import ToolCall, render_tool_call
 from rollout.trajectory import MaskTier, Task, TrajectoryStatus, read_jsonl
 from sandbox import SandboxDiedError
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem, ScoreResult
 from teacher_server.app import create_app
 from teacher_server.client import TeacherClient

@@ -1,4 +1,4 @@
-"""The cluster's sequence layout, resolved by the plan (launch/sequence_layout.py): packed
+"""The cluster's sequence layout, resolved by the plan (slime_ext/job/sequence_layout.py): packed
 for a full-attention student (its config.json), per turn for a hybrid or recurrent one and
 for a student the plan cannot see, and the flags that make slime and Megatron take it."""
 
@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from launch.plan import build_plan, hosts_from_config
-from launch.sequence_layout import resolve
 from slime_ext.job.config import ConfigError, config_from_dict
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.job.sequence_layout import resolve
+from slime_ext.models.factory import build_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch/configs/swe-opd-cluster.yaml"

@@ -20,7 +20,7 @@ from rollout.harness.base import StepOutcome
 from rollout.policy import SamplingParams, SGLangPolicy
 from rollout.runner import ENGINE_ABORT_REASON, Runner, RunnerConfig, rollout_metrics
 from rollout.trajectory import Task, TrajectoryStatus
-from slime_ext.local.factory import build_model
+from slime_ext.models.factory import build_model
 from tests.live_server import serve_in_thread
 from tests.sglang_standin import StandinState, create_standin
 

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from rollout.policy import ROUTING_HEADER, SamplingParams, SGLangPolicy
-from slime_ext.local.factory import build_model
+from slime_ext.models.factory import build_model
 from tests.live_server import free_port, serve_in_thread
 from tests.sglang_standin import StandinState, create_standin
 

@@ -27,7 +27,7 @@ from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import MaskTier, Trajectory, TrajectoryStatus
 from slime_ext.job.config import config_from_dict
-from slime_ext.local.factory import build_checkpoint, build_model
+from slime_ext.models.factory import build_checkpoint, build_model
 from slime_ext.sft_data import read_records, turn_records, write_records
 from slime_ext.slime import generate as generate_module
 from slime_ext.slime import metrics as hook_metrics

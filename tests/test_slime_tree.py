@@ -40,7 +40,7 @@ def _base(index: int = 0) -> Sample:
 
 @pytest.fixture(scope="module")
 def tiny_model(factory_tokenizer: Any) -> Any:
-    from slime_ext.local.factory import build_model
+    from slime_ext.models.factory import build_model
 
     return build_model("qwen3-tiny", factory_tokenizer, seed=3).eval()
 
@@ -79,7 +79,7 @@ def test_stems_predict_a_span_exactly_as_the_trunk_would(
     """A branch's stem repeats its context's last token at that token's position and sees
     the trunk before it: its hidden state is the trunk's there, so the span's log-probs
     match the packing without stems (the local trainer's)."""
-    from slime_ext.local.factory import build_model
+    from slime_ext.models.factory import build_model
 
     model = build_model("qwen3-tiny", factory_tokenizer, seed=0).eval()
     trajectory = scripted[0]

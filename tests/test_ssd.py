@@ -28,7 +28,7 @@ from rollout.trajectory import (
     read_jsonl,
     write_jsonl,
 )
-from slime_ext.local.factory import build_model
+from slime_ext.models.factory import build_model
 from slime_ext.sft_data import read_records
 from slime_ext.slime.samples import METADATA_KEY
 from slime_ext.slime.sft_rollout import generate_rollout

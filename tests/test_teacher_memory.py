@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem
 from teacher_server.app import create_app
 from teacher_server.cli import app as cli_app

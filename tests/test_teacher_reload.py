@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem
 from teacher_server.app import create_app
 from teacher_server.client import TeacherClient, TeacherError

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from rollout.policy import SGLangPolicy
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import CLIENT_KEEP_ALIVE_S, SERVICE_KEEP_ALIVE_S, ScoreItem
 from teacher_server.app import create_app
 from teacher_server.client import TeacherClient, TeacherOverloaded, TeacherUnavailable

@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoConfig, DynamicCache
 
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem
 from teacher_server.app import create_app
 from teacher_server.client import TeacherClient

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ROUTING_HEADER, ScoreItem, routing_key
 from teacher_server.app import create_app
 from teacher_server.backend import tokenizer_identity

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem
 from teacher_server.app import create_app
 from teacher_server.cli import app as teacher_cli

@@ -15,7 +15,7 @@ from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRHarness
 from rollout.runner import Runner, RunnerConfig
 from rollout.trajectory import TrajectoryStatus
-from slime_ext.local.factory import build_checkpoint
+from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import TrajectoryScoreRequest
 from teacher_server.app import create_app
 from teacher_server.backend import BadScoreRequest

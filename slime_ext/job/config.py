@@ -44,7 +44,7 @@ class Section(BaseModel):
 class ModelConfig(Section):
     student: str = "factory:qwen3-tiny"
     """Student checkpoint: a local HF directory, `factory:<preset>` for a small random-init
-    model built by `slime_ext.local.factory` (deterministic by `seed`), or `bundled:student`
+    model built by `slime_ext.models.factory` (deterministic by `seed`), or `bundled:student`
     (the demo's SFT-trained student)."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to the student's own."""
@@ -365,7 +365,7 @@ class AlgorithmConfig(Section):
     exact for full-attention models), per_turn (a sequence per turn, its context
     recomputed), or auto (packed where exact). Locally the trainer decides from the model;
     on the cluster `opd launch` decides from the student's config.json, or its name for a
-    hybrid family, and says why (launch/sequence_layout.py); packed gives slime one
+    hybrid family, and says why (slime_ext/job/sequence_layout.py); packed gives slime one
     tree-packed sample per trajectory and Megatron the tree attention."""
 
     @model_validator(mode="after")

@@ -47,6 +47,19 @@ def _always(job: JobConfig, value: str | None, given: Given) -> bool:
     return True
 
 
+OPRD_REFUSED_FLAGS = {
+    "normalize_advantages": "--normalize-advantages would whiten the branch shares",
+    "use_opd": "--use-opd would subtract slime's own OPD penalty from the branch shares",
+    "use_critic": "--use-critic would train a critic on the branch shares",
+    "calculate_per_token_loss": (
+        "--calculate-per-token-loss would average tokens, while the branch shares weight "
+        "slime's per-rollout means"
+    ),
+}
+"""slime flags that would rewrite or misread the branch shares the OPRD advantage hook
+(slime_ext.slime.oprd) sets; it refuses them, and so does the plan."""
+
+
 @dataclass(frozen=True)
 class RefusedFlag:
     flag: str
@@ -58,7 +71,7 @@ class RefusedFlag:
 
 def _packed(job: JobConfig, value: str | None, given: Given) -> bool:
     """Whether the job trains tree-packed samples (its resolved sequence layout)."""
-    from launch.sequence_layout import resolve
+    from slime_ext.job.sequence_layout import resolve
 
     return resolve(job).layout == "packed"
 
@@ -339,7 +352,7 @@ REFUSED: tuple[RefusedFlag, ...] = (
     ),
 )
 """Every refusal of cluster.extra_train_args; a flag may have several, the first that
-applies is reported. Recipe oprd adds the flags of slime_ext.slime.oprd.REFUSED_FLAGS."""
+applies is reported. Recipe oprd adds OPRD_REFUSED_FLAGS."""
 
 
 def given_flags(argv: Sequence[str]) -> dict[str, str | None]:
@@ -359,16 +372,13 @@ def given_flags(argv: Sequence[str]) -> dict[str, str | None]:
 
 
 def _oprd_refusals() -> tuple[RefusedFlag, ...]:
-    """The flags the OPRD advantage hook refuses, with its reasons (imported here only for
-    recipe oprd: the hook module imports torch)."""
-    from slime_ext.slime.oprd import REFUSED_FLAGS
-
+    """The flags the OPRD advantage hook refuses, with its reasons."""
     return tuple(
         RefusedFlag(
             "--" + attribute.replace("_", "-"),
             f"recipe oprd: {why} (slime_ext/slime/oprd.py): drop it",
         )
-        for attribute, why in REFUSED_FLAGS.items()
+        for attribute, why in OPRD_REFUSED_FLAGS.items()
     )
 
 

@@ -21,8 +21,8 @@ from rollout.chat import ChatRenderer, trajectory_from_conversation
 from rollout.harness.tir import TIRHarness
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.trajectory import MaskTier, Trajectory
-from slime_ext.local.factory import build_model, build_tokenizer
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+from slime_ext.models.factory import build_model, build_tokenizer
 
 
 class DemoModelsRecipe(BaseModel):

@@ -34,18 +34,7 @@ from slime_ext.local.evaluate import (
 from slime_ext.local.loop import LocalRun, embedded_teacher, load_metrics, tir_harness
 from slime_ext.local.progress import accuracy_text
 from slime_ext.local.wandb_log import WandbLogger
-
-DEMO_CHECKPOINTS = "demo_checkpoints"
-
-
-def bundled_models() -> tuple[Path, Path]:
-    """(student, teacher) directories shipped with the package (`opd demo-models build`)."""
-    root = Path(str(resources.files("slime_ext.local").joinpath(DEMO_CHECKPOINTS)))
-    student, teacher = root / "student", root / "teacher"
-    for path in (student, teacher):
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is missing: run `opd demo-models build` first")
-    return student, teacher
+from slime_ext.models.refs import bundled_models
 
 
 def demo_job(

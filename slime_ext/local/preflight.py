@@ -7,24 +7,14 @@ check on a config with parallel.gpus_per_node 0. Light on purpose: no torch impo
 from __future__ import annotations
 
 from slime_ext.job.config import JobConfig
+from slime_ext.models.refs import bundled_name_problem
 
 LOCAL_RECIPES = ("opd", "opsd", "oprd", "rl", "sft")
 """Recipes the local trainer runs (SSD trains on pre-tokenized data, on a cluster)."""
-BUNDLED_PREFIX = "bundled:"
-BUNDLED_MODELS = ("student", "teacher")
 
 
 class UnsupportedLocalJob(ValueError):
     """A job the embedded trainer cannot run (it says what to use instead)."""
-
-
-def bundled_name_problem(name: str) -> str | None:
-    """Why `bundled:<name>` names no bundled model; None for other names."""
-    if not name.startswith(BUNDLED_PREFIX):
-        return None
-    if name.removeprefix(BUNDLED_PREFIX) in BUNDLED_MODELS:
-        return None
-    return f"{name!r}: bundled models are bundled:student and bundled:teacher"
 
 
 def local_job_problems(job: JobConfig) -> list[str]:

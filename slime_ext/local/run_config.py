@@ -22,15 +22,10 @@ from slime_ext.job.assembly import teacher_in_process
 from slime_ext.job.config import JobConfig
 from slime_ext.local.checkpoints import ResumeOptions
 from slime_ext.local.evaluate import heldout_tasks
-from slime_ext.local.factory import materialize
 from slime_ext.local.loop import LocalRun, embedded_teacher
-from slime_ext.local.preflight import (
-    BUNDLED_PREFIX,
-    UnsupportedLocalJob,
-    bundled_name_problem,
-    check_local_job,
-)
+from slime_ext.local.preflight import UnsupportedLocalJob, check_local_job
 from slime_ext.local.wandb_log import WandbLogger
+from slime_ext.models.refs import resolve_model
 
 TRAIN_TASKS = 4000
 
@@ -41,18 +36,6 @@ def training_tasks(job: JobConfig) -> list[Task]:
     if job.rollout.harness == "swe":
         return mini_swe.generate_tasks(TRAIN_TASKS, seed=job.model.seed)
     return make_tasks(TRAIN_TASKS, "train", seed=job.model.seed)
-
-
-def resolve_model(name: str, cache_dir: Path, seed: int) -> Path:
-    """A local HF directory for `bundled:student|teacher`, `factory:<preset>` or a path."""
-    if name.startswith(BUNDLED_PREFIX):
-        from slime_ext.local.opd_demo import bundled_models
-
-        if problem := bundled_name_problem(name):
-            raise UnsupportedLocalJob(problem)
-        student, teacher = bundled_models()
-        return student if name.removeprefix(BUNDLED_PREFIX) == "student" else teacher
-    return materialize(name, cache_dir, seed=seed)
 
 
 @contextlib.contextmanager

@@ -34,20 +34,10 @@ from typing import Any
 
 import torch
 
+from slime_ext.job.slime_flags import OPRD_REFUSED_FLAGS as REFUSED_FLAGS
 from slime_ext.slime.reward import raw_rewards
 from slime_ext.slime.samples import rollout_id_of
 from slime_ext.slime.settings import HookConfigError
-
-REFUSED_FLAGS = {
-    "normalize_advantages": "--normalize-advantages would whiten the branch shares",
-    "use_opd": "--use-opd would subtract slime's own OPD penalty from the branch shares",
-    "use_critic": "--use-critic would train a critic on the branch shares",
-    "calculate_per_token_loss": (
-        "--calculate-per-token-loss would average tokens, while the branch shares weight "
-        "slime's per-rollout means"
-    ),
-}
-"""slime flags that would rewrite or misread the branch shares our advantage function sets."""
 
 
 def post_process_rewards(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:

@@ -1,4 +1,5 @@
-"""How our commands' --help reads: shared by `opd` and `opd-teacher`."""
+"""How our commands' --help reads: shared by `opd-teacher` and `opd` (which sits above the
+service and imports it from here)."""
 
 from __future__ import annotations
 
