@@ -35,8 +35,13 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_section_names_its_hosts_backends_and_images() -> None:
     job = config_from_dict({"rollout": {"harness": "swe"}})
     assert hosts_of(job) == "here" and backends_of(job.sandbox) == ("local", "docker")
-    cluster = config_from_dict({"cluster": {"sandbox_hosts": ["cpu-0"]}})
+    cluster = config_from_dict(
+        {"parallel": {"gpus_per_node": 1}, "cluster": {"sandbox_hosts": ["cpu-0"]}}
+    )
     assert hosts_of(cluster) == "ray"
+    # the same config trained here (`opd train`): nothing started those hosts
+    local = config_from_dict({"cluster": {"sandbox_hosts": ["cpu-0"]}})
+    assert hosts_of(local) == "here"
     pinned = config_from_dict({"sandbox": {"hosts": "here"}, "cluster": {"sandbox_hosts": ["c"]}})
     assert hosts_of(pinned) == "here"
     section = SandboxConfig(images={"a:1": "mirror/a:1"}, registry="reg.internal:5000/")
@@ -44,6 +49,7 @@ def test_a_section_names_its_hosts_backends_and_images() -> None:
     assert image_to_run(section, "swebench/b:latest") == "reg.internal:5000/swebench/b:latest"
     assert image_to_run(section, None) is None
     assert image_to_run(SandboxConfig(), "x:1") == "x:1"
+    assert image_to_run(SandboxConfig(registry="r/"), None) is None
     with pytest.raises(ConfigError, match="registry"):
         config_from_dict({"sandbox": {"registry": "has space/"}})
 
@@ -158,3 +164,16 @@ def test_fleet_file_hosts_replace_the_sections_hosts(tmp_path: Path) -> None:
             return sandboxes.metrics()
 
     assert set(asyncio.run(go())["hosts"]) == {"box-1"}
+
+
+def test_ray_hosts_without_a_ray_cluster_say_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("this process is connected to Ray")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens there
+    sandboxes = JobSandboxes(SandboxConfig(backend="local"), run_owner(tmp_path), hosts="ray")
+    with pytest.raises(SandboxUnavailableError, match=r"no Ray cluster answers at 127\.0\.0\.1:1"):
+        asyncio.run(sandboxes.open())

@@ -1,5 +1,5 @@
 """The repository's environment around every command of a SWE task (SWETaskSpec.env_setup,
-rollout.harness.swe.in_environment): the prefix on its own in a local shell (exit status,
+rollout.harness.swe_env.in_environment): the prefix on its own in a local shell (exit status,
 cd, line numbers, hidden output, a failing setup), the harness with a family that names an
 environment, and, under Docker, a SWE-bench-style image whose repository imports and
 tests only inside the conda env `testbed`, each case next to its control without the
@@ -17,14 +17,8 @@ from typing import Any
 import pytest
 
 from rollout.chat import RecordedTurn
-from rollout.harness.swe import (
-    ENV_SETUP_FAILED_EXIT,
-    EnvironmentSetupError,
-    SWEBenchInstanceFamily,
-    SWEHarness,
-    SWEHarnessConfig,
-    in_environment,
-)
+from rollout.harness.swe import SWEBenchInstanceFamily, SWEHarness, SWEHarnessConfig
+from rollout.harness.swe_env import ENV_SETUP_FAILED_EXIT, EnvironmentSetupError, in_environment
 from rollout.masking import classify_turn
 from rollout.rewards.swe import SWEGrade
 from rollout.tasks.mini_swe import MiniSWETasks, generate_tasks

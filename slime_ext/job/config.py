@@ -170,7 +170,8 @@ class SandboxConfig(Section):
     hosts: Literal["auto", "here", "ray"] = "auto"
     """Where local and docker sandboxes start: here (this process's machine and its Docker
     daemon); ray (one host actor on every Ray node offering the `opd_sandbox_host`
-    resource: the nodes `opd launch` starts on cluster.sandbox_hosts); auto: ray when
+    resource: the nodes `opd launch` starts on cluster.sandbox_hosts; a process outside
+    Ray joins the cluster at RAY_ADDRESS); auto: ray for a cluster job whose
     cluster.sandbox_hosts names any, here otherwise. `fleet_file` overrides it."""
     fleet_file: str | None = None
     """A fleet YAML ({config: fleet settings, hosts: [host settings, ...]}) naming the

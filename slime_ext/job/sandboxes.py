@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import socket
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -50,7 +51,8 @@ def hosts_of(job: JobConfig) -> Literal["here", "ray"]:
     """Where the job's local and Docker sandboxes start (the section's `hosts`, resolved)."""
     if job.sandbox.hosts != "auto":
         return job.sandbox.hosts
-    return "ray" if job.cluster.sandbox_hosts else "here"
+    on_cluster = job.parallel.gpus_per_node > 0  # `opd launch`, which starts the hosts
+    return "ray" if on_cluster and job.cluster.sandbox_hosts else "here"
 
 
 def backends_of(section: SandboxConfig) -> tuple[Backend, ...]:
@@ -149,7 +151,20 @@ def load_fleet_file(path: str | Path) -> tuple[FleetConfig, list[HostConfig]]:
 def ray_hosts(section: SandboxConfig, owner: str) -> list[SandboxHost]:
     """A host actor per backend on every alive Ray node offering the sandbox-host resource
     (this process must be connected to the job's Ray cluster), named address-backend."""
+    import ray
+
     from sandbox.fleet.ray_hosts import SANDBOX_RESOURCE, SandboxNode, spawn_per_node
+
+    if not ray.is_initialized():  # the slime hook runs in Ray; `opd train` may not
+        address = os.environ.get("RAY_ADDRESS", "auto")
+        try:
+            _gcs_answers(address)  # ray.init retries a silent address for minutes
+            ray.init(address=address, logging_level=logging.WARNING)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise SandboxUnavailableError(
+                f"sandbox.hosts ray: no Ray cluster answers at {address} ({exc}); start one "
+                "with sandbox hosts, or set sandbox.hosts: here"
+            ) from exc
 
     def configs_for(node: SandboxNode) -> list[HostConfig]:
         return [
@@ -164,6 +179,14 @@ def ray_hosts(section: SandboxConfig, owner: str) -> list[SandboxHost]:
             "(cluster.sandbox_hosts start with it under `opd launch`)"
         )
     return hosts
+
+
+def _gcs_answers(address: str, timeout_s: float = 5.0) -> None:
+    """Raises OSError when `address` (host:port; "auto" is Ray's to find) takes no
+    connection."""
+    host, _, port = address.rpartition(":")
+    if address != "auto" and host and port.isdigit():
+        socket.create_connection((host.removeprefix("ray://"), int(port)), timeout_s).close()
 
 
 class JobSandboxes:
