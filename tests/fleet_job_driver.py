@@ -27,6 +27,8 @@ import torch
 
 SCRIPT_COMMAND = "sleep 1; echo turn-done"
 BASH_TURNS = 3
+FRESH_S = 1.0
+"""A sandbox started this recently has its trajectory's commands (3 s at least) ahead."""
 
 
 class ScriptedModel(torch.nn.Module):
@@ -100,14 +102,21 @@ async def _drive(spec: dict[str, Any], args: Any, router: str, tokenizer_dir: st
             index=index, group_index=index, prompt=task.prompt, metadata={"task": task.model_dump()}
         )
         [samples] = await generate_and_rm_group(args, [base], {})
+        finished[index] = time.monotonic()
         return samples
 
+    finished: dict[int, float] = {}
     running = [asyncio.create_task(one(i)) for i in range(spec["samples"])]
     killed_at = None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not all(t.done() for t in running):
-        running_on = {sandbox.host_name for boxes in placed.values() for sandbox, _ in boxes}
-        if running_on >= set(fleet.metrics()["hosts"]):  # a started sandbox on each node
+        now, started = time.monotonic(), {}  # host -> start times of unfinished trajectories
+        for index, boxes in placed.items():
+            for sandbox, at in boxes if index not in finished else ():
+                started.setdefault(sandbox.host_name, []).append(at)
+        fresh = [at for at in started.get(spec["kill_host"], []) if now - at < FRESH_S]
+        # every node runs a trajectory, and the doomed node one with its commands ahead
+        if set(started) >= set(fleet.metrics()["hosts"]) and fresh:
             _kill_node(spec)
             killed_at = time.monotonic()
             break
@@ -123,10 +132,11 @@ async def _drive(spec: dict[str, Any], args: Any, router: str, tokenizer_dir: st
                 "reason": summary["status_reason"],
                 "reward": summary["reward"],
                 "num_turns": summary["num_turns"],
+                "finished_before_kill": killed_at is not None and finished[index] < killed_at,
                 "sandboxes": [
                     {
                         "host": sandbox.host_name,
-                        "started_after_kill": killed_at is not None and started > killed_at,
+                        "started_s_after_kill": None if killed_at is None else started - killed_at,
                     }
                     for sandbox, started in placed.get(index, [])
                 ],
