@@ -60,7 +60,10 @@ def sample(
         ),
     ],
     tasks: Annotated[
-        str, typer.Option(help="A JSONL file of Task rows, or arithmetic:N (synthetic TIR).")
+        str,
+        typer.Option(
+            help="A JSONL file of Task rows, arithmetic:N (synthetic TIR) or mini_swe:N (SWE)."
+        ),
     ],
     out: Annotated[Path, typer.Option(help="Trajectories JSONL; appended to, and resumed from.")],
     samples_per_task: Annotated[

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from rollout.masking import MaskStats
 from rollout.runner import Runner
+from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import (
     MaskTier,
@@ -38,6 +39,7 @@ from rollout.trajectory import (
 from slime_ext.sft_data import TurnRecord, turn_records, write_records
 
 ARITHMETIC_PREFIX = "arithmetic:"
+MINI_SWE_PREFIX = "mini_swe:"
 EXPORTED_STATUSES = (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED)
 """Trajectories that ended normally; the others are counted and left out of the export."""
 RECORD_SUFFIXES = (".parquet", ".jsonl")
@@ -53,12 +55,16 @@ class SSDInputError(ValueError):
 
 
 def load_tasks(spec: str, seed: int = 0) -> list[Task]:
-    """`arithmetic:N` (N synthetic TIR training problems) or a JSONL file of Task rows."""
-    if spec.startswith(ARITHMETIC_PREFIX):
-        count = spec.removeprefix(ARITHMETIC_PREFIX)
-        if not count.isdigit() or int(count) < 1:
-            raise SSDInputError(f"{spec!r}: write arithmetic:N with N a positive integer")
-        return make_tasks(int(count), "train", seed=seed)
+    """`arithmetic:N` (N synthetic TIR training problems), `mini_swe:N` (N mini-SWE
+    repositories, for the swe harness) or a JSONL file of Task rows."""
+    for prefix in (ARITHMETIC_PREFIX, MINI_SWE_PREFIX):
+        if spec.startswith(prefix):
+            count = spec.removeprefix(prefix)
+            if not count.isdigit() or int(count) < 1:
+                raise SSDInputError(f"{spec!r}: write {prefix}N with N a positive integer")
+            if prefix == MINI_SWE_PREFIX:
+                return mini_swe.generate_tasks(int(count), seed=seed)
+            return make_tasks(int(count), "train", seed=seed)
     path = Path(spec)
     if not path.is_file():
         raise SSDInputError(f"{spec!r} is neither arithmetic:N nor a JSONL file of tasks")

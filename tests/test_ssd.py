@@ -270,6 +270,23 @@ def test_sample_through_an_sglang_url_and_refuses_what_it_cannot_run(
     assert trajectory.status is TrajectoryStatus.TRUNCATED and len(trajectory.turns) == 1
 
 
+@pytest.mark.timeout(240)
+def test_swe_samples_run_in_the_jobs_sandboxes(factory_dir: Path, tmp_path: Path) -> None:
+    """`opd ssd sample --harness swe --tasks mini_swe:N`: each trajectory's repository is
+    prepared in a sandbox of the job's fleet (here, local), turns are recorded, and the
+    export keeps them."""
+    out = tmp_path / "swe.jsonl"
+    _invoke(
+        "sample",
+        *("--harness", "swe", "--policy", str(factory_dir), "--tasks", "mini_swe:2"),
+        *("-n", "1", "--max-turns", "2", "--max-new-tokens", "8", "--out", str(out)),
+    )
+    trajectories = read_jsonl(out)
+    assert sorted(t.task.kind for t in trajectories) == ["mini_swe", "mini_swe"]
+    # each ran its turns in a started sandbox (a failed start is a sandbox_error)
+    assert all(t.status is TrajectoryStatus.TRUNCATED and t.num_turns == 2 for t in trajectories)
+
+
 def test_task_files_need_unique_task_ids(tmp_path: Path) -> None:
     path = tmp_path / "tasks.jsonl"
     task = Task(task_id="t1", kind="tir", prompt="1 + 1?", answer="2")
@@ -280,3 +297,6 @@ def test_task_files_need_unique_task_ids(tmp_path: Path) -> None:
         load_tasks(str(path))
     with pytest.raises(SSDInputError, match="arithmetic:N"):
         load_tasks("arithmetic:zero")
+    with pytest.raises(SSDInputError, match="mini_swe:N"):
+        load_tasks("mini_swe:-1")
+    assert [t.kind for t in load_tasks("mini_swe:2")] == ["mini_swe", "mini_swe"]
