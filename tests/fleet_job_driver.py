@@ -142,8 +142,8 @@ async def _drive(spec: dict[str, Any], args: Any, router: str, tokenizer_dir: st
                 ],
             }
         )
+    await state.sandboxes.close()  # the lost node's host cannot shut down: unreaped
     metrics = fleet.metrics()
-    await state.sandboxes.close()
     return {"killed": killed_at is not None, "trajectories": out, "fleet": metrics}
 
 
@@ -199,7 +199,8 @@ def main(spec_path: str) -> None:
                     "trajectory_timeout_s": 120,
                 },
                 "sandbox": {
-                    "backend": "local",
+                    "backend": spec["backend"],
+                    "image": spec.get("image"),
                     "hosts": "ray",
                     "command_timeout_s": 10,
                     "max_sandboxes": spec["max_sandboxes"],

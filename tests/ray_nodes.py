@@ -107,52 +107,89 @@ def _alive_nodes(gcs_address: str, env: dict[str, str]) -> int:
 
 @contextlib.contextmanager
 def ray_cluster(
-    root: Path, resources: list[dict[str, float]], *, ready_timeout_s: float = 120.0
+    root: Path,
+    resources: list[dict[str, float]],
+    *,
+    ready_timeout_s: float = 120.0,
+    attempts: int = 2,
 ) -> Iterator[RayCluster]:
     """A head (no resources but 1 CPU) and one worker node per entry of `resources` (its
-    custom resources), all alive before it yields. `root` must be a short path: Ray's
-    socket paths live under it (107 bytes)."""
+    custom resources), all alive before it yields; a cluster that does not form (a port
+    taken meanwhile, a node that died starting) is killed and formed again on other ports,
+    `attempts` times. `root` must be a short path: Ray's socket paths live under it (107
+    bytes)."""
     env = ray_env() | {
         "RAY_health_check_period_ms": "500",  # a killed node is seen dead in seconds
         "RAY_health_check_failure_threshold": "3",
         "RAY_health_check_initial_delay_ms": "500",
     }
-    base = random.Random().randrange(20000, 50000, 1000)
-    gcs_port = base + 999
-    cluster = RayCluster(f"127.0.0.2:{gcs_port}")
     try:
-        head_args = [
-            "--head",
-            "--node-ip-address=127.0.0.2",
-            f"--port={gcs_port}",
-            "--num-cpus=1",
-            "--include-dashboard=false",
-            f"--ray-client-server-port={base + 998}",
-            *_port_args(base),
-        ]
-        cluster.nodes.append(_start(head_args, "127.0.0.2", root / "n0", env))
-        for index, extra in enumerate(resources, start=1):
-            address = f"127.0.0.{2 + index}"
-            args = [
-                f"--address={cluster.gcs_address}",
-                f"--node-ip-address={address}",
-                "--num-cpus=1",
-                f"--resources={json.dumps(extra)}",
-                *_port_args(base + 100 * index),
-            ]
-            cluster.nodes.append(_start(args, address, root / f"n{index}", env))
-        deadline = time.monotonic() + ready_timeout_s
-        while _alive_nodes(cluster.gcs_address, env) < len(cluster.nodes):
-            dead = [node for node in cluster.nodes if node.process.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                logs = "\n".join(
-                    f"--- {n.address}:\n{n.log.read_text(errors='replace')[-2000:]}"
-                    for n in cluster.nodes
-                )
-                raise RuntimeError(f"the Ray cluster did not form:\n{logs}")
-            time.sleep(1.0)
+        for attempt in range(attempts):
+            cluster = RayCluster("")
+            try:
+                _form(cluster, root / f"a{attempt}", resources, env, ready_timeout_s)
+                break
+            except RuntimeError:
+                _kill_all(cluster, root / f"a{attempt}")
+                if attempt + 1 == attempts:
+                    raise
         yield cluster
     finally:
-        for node in reversed(cluster.nodes):
-            node.kill()
-        _kill_matching(str(root))
+        _kill_all(cluster, root)
+
+
+def _kill_all(cluster: RayCluster, root: Path) -> None:
+    for node in reversed(cluster.nodes):
+        node.kill()
+    _kill_matching(str(root))
+
+
+def _form(
+    cluster: RayCluster,
+    root: Path,
+    resources: list[dict[str, float]],
+    env: dict[str, str],
+    ready_timeout_s: float,
+) -> None:
+    """Start the head, wait for it, then the other nodes; RuntimeError with every node's
+    log when they are not all alive within `ready_timeout_s`."""
+    root.mkdir(parents=True, exist_ok=True)
+    base = random.Random().randrange(20000, 50000, 1000)
+    gcs_port = base + 999
+    cluster.gcs_address = f"127.0.0.2:{gcs_port}"
+    head_args = [
+        "--head",
+        "--node-ip-address=127.0.0.2",
+        f"--port={gcs_port}",
+        "--num-cpus=1",
+        "--include-dashboard=false",
+        f"--ray-client-server-port={base + 998}",
+        *_port_args(base),
+    ]
+    deadline = time.monotonic() + ready_timeout_s
+    cluster.nodes.append(_start(head_args, "127.0.0.2", root / "n0", env))
+    _wait_alive(cluster, 1, env, deadline)
+    for index, extra in enumerate(resources, start=1):
+        address = f"127.0.0.{2 + index}"
+        args = [
+            f"--address={cluster.gcs_address}",
+            f"--node-ip-address={address}",
+            "--num-cpus=1",
+            f"--resources={json.dumps(extra)}",
+            *_port_args(base + 100 * index),
+        ]
+        cluster.nodes.append(_start(args, address, root / f"n{index}", env))
+    _wait_alive(cluster, len(cluster.nodes), env, deadline)
+
+
+def _wait_alive(cluster: RayCluster, count: int, env: dict[str, str], deadline: float) -> None:
+    while _alive_nodes(cluster.gcs_address, env) < count:
+        dead = [node for node in cluster.nodes if node.process.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            logs = "\n".join(
+                f"--- {n.address} ({'exited' if n in dead else 'running'}):\n"
+                f"{n.log.read_text(errors='replace')[-2000:]}"
+                for n in cluster.nodes
+            )
+            raise RuntimeError(f"the Ray cluster did not form:\n{logs}")
+        time.sleep(1.0)

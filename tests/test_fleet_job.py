@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_nodes import ray_cluster, ray_env
+from sandbox.docker import reap
+from slime_ext.job.sandboxes import run_owner
+from tests.docker_images import daemon_problem, swebench_style_test_image
+from tests.ray_nodes import RayCluster, ray_cluster, ray_env
 from tests.slime_driver import require_slime
 
 require_slime()
@@ -27,37 +30,29 @@ the raylet briefly)."""
 
 
 @pytest.mark.timeout(600)
-def test_swe_sandboxes_live_on_the_sandbox_nodes_and_survive_losing_one(tmp_path: Path) -> None:
-    with (
-        tempfile.TemporaryDirectory(prefix="rn", dir="/tmp") as root,
-        ray_cluster(Path(root), [SANDBOX_NODE, SANDBOX_NODE]) as cluster,
-    ):
-        doomed = cluster.nodes[1]
-        spec = {
-            "gcs_address": cluster.gcs_address,
-            "work_dir": str(tmp_path),
-            "samples": SAMPLES,
-            "max_sandboxes": 2,
-            "kill_pgid": doomed.process.pid,
-            "kill_host": f"{doomed.address}-local",
-            "kill_temp_dir": str(doomed.temp_dir),
-        }
-        (tmp_path / "spec.json").write_text(json.dumps(spec))
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.fleet_job_driver", str(tmp_path / "spec.json")],
-            capture_output=True,
-            text=True,
-            timeout=480,
-            check=False,
-            env=ray_env(),
-        )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    report = json.loads(lines[-1].removeprefix("RESULT "))
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_swe_sandboxes_live_on_the_sandbox_nodes_and_survive_losing_one(
+    tmp_path: Path, backend: str
+) -> None:
+    """local: each node's sandboxes under its own uids; docker: containers of the nodes'
+    daemon (one here), those of the lost node reaped by the run's owner label after."""
+    image = None
+    if backend == "docker":
+        if problem := daemon_problem():
+            pytest.skip(problem)
+        image = swebench_style_test_image()  # git, for the mini-SWE repositories
+    try:
+        report, cluster = _run_batch(tmp_path, backend, image)
+    finally:
+        if backend == "docker":  # the lost node's containers: its host never shut down
+            reap({"opd.owner": run_owner(tmp_path / "run")})
+    doomed = cluster.nodes[1]
     assert report["killed"], "the batch ended before both sandbox nodes held a sandbox"
     trajectories = report["trajectories"]
     assert len(trajectories) == SAMPLES
-    lost, survivor = f"{doomed.address}-local", f"{cluster.nodes[2].address}-local"
+    lost = f"{doomed.address}-{backend}"
+    survivor = f"{cluster.nodes[2].address}-{backend}"
+    assert report["fleet"]["unreaped_hosts"] == [lost]
     placements = [box for t in trajectories for box in t["sandboxes"]]
     # every sandbox on a sandbox node, none on the head (127.0.0.2)
     assert placements and {box["host"] for box in placements} == {lost, survivor}
@@ -80,3 +75,35 @@ def test_swe_sandboxes_live_on_the_sandbox_nodes_and_survive_losing_one(tmp_path
     late = [box for box in placements if box["started_s_after_kill"] > NODE_DEATH_S]
     assert late and all(box["host"] == survivor for box in late), trajectories
     assert report["fleet"]["hosts"][lost]["breaker"] == "open"
+
+
+def _run_batch(tmp_path: Path, backend: str, image: str | None) -> tuple[dict, RayCluster]:
+    """The driver's report on a 3-node cluster (killed when it returns), and the cluster."""
+    with (
+        tempfile.TemporaryDirectory(prefix="rn", dir="/tmp") as root,
+        ray_cluster(Path(root), [SANDBOX_NODE, SANDBOX_NODE]) as cluster,
+    ):
+        doomed = cluster.nodes[1]
+        spec = {
+            "gcs_address": cluster.gcs_address,
+            "work_dir": str(tmp_path),
+            "samples": SAMPLES,
+            "max_sandboxes": 2,
+            "backend": backend,
+            "image": image,
+            "kill_pgid": doomed.process.pid,
+            "kill_host": f"{doomed.address}-{backend}",
+            "kill_temp_dir": str(doomed.temp_dir),
+        }
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.fleet_job_driver", str(tmp_path / "spec.json")],
+            capture_output=True,
+            text=True,
+            timeout=480,
+            check=False,
+            env=ray_env(),
+        )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(lines[-1].removeprefix("RESULT ")), cluster
