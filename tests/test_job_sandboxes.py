@@ -101,6 +101,10 @@ def test_e2b_from_config_maps_images_to_templates_with_the_named_key(
     section = SandboxConfig(
         backend="e2b", images={image: "swe-astropy-1"}, e2b_api_key_env="MY_E2B_KEY"
     )
+    monkeypatch.delenv("MY_E2B_KEY", raising=False)
+    keyless = JobSandboxes(section, run_owner(tmp_path), e2b_sdk=cloud.AsyncSandbox)
+    with pytest.raises(SandboxUnavailableError, match=r"no E2B API key in \$MY_E2B_KEY"):
+        asyncio.run(keyless.open())
     monkeypatch.setenv("MY_E2B_KEY", STANDIN_API_KEY)
     sandboxes = JobSandboxes(section, run_owner(tmp_path), e2b_sdk=cloud.AsyncSandbox)
 

@@ -252,9 +252,14 @@ class JobSandboxes:
         section = self.section
         if section.backend == "e2b":
             key = os.environ.get(section.e2b_api_key_env)
+            if not key:  # refused here, not by each trajectory's first sandbox
+                raise SandboxUnavailableError(
+                    f"sandbox.backend e2b: no E2B API key in ${section.e2b_api_key_env} (set "
+                    "it, or name the variable holding it in sandbox.e2b_api_key_env)"
+                )
             e2b = E2BSandboxConfig(
                 template=section.image or "base",
-                api_key=SecretStr(key) if key else None,
+                api_key=SecretStr(key),
                 allow_internet_access=section.network,
                 owner=self.owner,
                 trajectory_timeout_s=max(1, int(self._trajectory_timeout_s)),
