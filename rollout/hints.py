@@ -93,7 +93,7 @@ def leak_reason(hint: str, task: Task) -> str | None:
                 return f"the hint states the final answer ({task.answer})"
         elif _normalized(task.answer) and _normalized(task.answer) in _normalized(hint):
             return f"the hint states the final answer ({task.answer})"
-    patch = task.metadata.get("patch")
+    patch = task.metadata.get("patch") or task.metadata.get("reference_patch")  # mini-SWE
     if isinstance(patch, str):
         for line in patch_lines(patch):
             if line in hint:
@@ -121,8 +121,9 @@ def critic_messages(prompts: dict[str, Any], task: Task, attempt: str | None) ->
 
 
 class ReferenceHint:
-    """From the task's reference: metadata["solution"], or the arithmetic tasks'
-    metadata["expression"] (the method, not the value)."""
+    """From the task's reference: metadata["solution"], the arithmetic tasks'
+    metadata["expression"] (the method, not the value), or a hint the task carries
+    (mini-SWE: where the bug is and what to check, not the fix)."""
 
     reads_attempt = False
 
@@ -142,6 +143,8 @@ class ReferenceHint:
             return str(self.prompts["reference_expression"]).format(
                 expression=task.metadata["expression"]
             )
+        if task.metadata.get("hint"):
+            return str(self.prompts["reference_hint"]).format(hint=task.metadata["hint"])
         return None
 
 

@@ -24,6 +24,8 @@ from rollout.hints import (
 from rollout.policy import Generation, HFPolicy, PolicyError, SamplingParams
 from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks
+from rollout.tasks.mini_swe import family_names
+from rollout.tasks.mini_swe import generate_tasks as generate_mini_swe
 from rollout.trajectory import Task, Trajectory
 from slime_ext.job.assembly import hinted_teacher_context, runner_config
 from slime_ext.job.config import ConfigError, config_from_dict
@@ -74,6 +76,23 @@ def test_leak_check_finds_gold_patch_lines() -> None:
     reason = leak_reason("replace it by `return a + b  # fixed`", task)
     assert reason is not None and "gold patch" in reason
     assert leak_reason("the header --- a/calc.py", task) is None  # headers are not lines
+
+
+def test_every_mini_swe_family_has_a_reference_hint_that_does_not_give_the_fix() -> None:
+    """OPSD on SWE (`opd train` on mini-SWE): the self-teacher's reference hint says where
+    to look and what to check; a hint quoting the fix's line is refused."""
+    source = ReferenceHint()
+    tasks = generate_mini_swe(2 * len(family_names()), seed=7)
+    for task in tasks:
+        hint = source.text(task)
+        assert hint is not None and task.metadata["hint"] in hint
+        assert leak_reason(hint, task) is None, (task.metadata["family"], hint)
+    fixed_line = next(
+        line[1:].strip()
+        for line in tasks[0].metadata["reference_patch"].splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    )
+    assert "gold patch" in (leak_reason(f"write {fixed_line}", tasks[0]) or "")
 
 
 def test_numbers_in_reads_separators_fractions_and_exponents() -> None:

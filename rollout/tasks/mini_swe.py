@@ -82,6 +82,9 @@ class MiniSWESpec(BaseModel):
     """fnmatch patterns (relative to the repository) a submission may not touch."""
     test_command: str
     """Runs every test under tests/ with pytest's -rA summary (what the log parser reads)."""
+    hint: str | None = None
+    """A reference hint for a self-teacher (OPSD's `reference` source): where the bug is
+    and what to check, without the fix."""
 
 
 class _Family(BaseModel):
@@ -98,6 +101,8 @@ class _Family(BaseModel):
     fail_to_pass: list[str]
     pass_to_pass: list[str]
     statement: str
+    hint: str
+    """Where to look and what to check, never the fix (OPSD's reference hint)."""
 
 
 class _Catalog(BaseModel):
@@ -296,6 +301,7 @@ def make_task(family_name: str, seed: int, index: int) -> Task:
         reference_patch=file_diff(module_path, buggy, fixed),
         protected_paths=catalog.protected_paths,
         test_command=catalog.test_command,
+        hint=_fill(family.hint, {**names, "module_path": module_path}).strip(),
     )
     return Task(
         task_id=f"{KIND}-{seed}-{index:04d}-{family_name}",
