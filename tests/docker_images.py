@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -85,14 +86,8 @@ def sandbox_test_image() -> str:
     """The tag of a python-capable image built from docker/sandbox-tir.Dockerfile; builds
     the base and the image when they are missing (about a minute, once per host)."""
     digest = hashlib.sha256(DOCKERFILE.read_bytes()).hexdigest()[:12]
-    tag = f"{TEST_REPOSITORY}:test-{digest}"
-    client = docker.from_env(timeout=600)
-    try:
-        if _has_image(client, tag):
-            return tag
-        started = time.monotonic()
-        if not _has_image(client, BASE_IMAGE):
-            _build_base(client)
+
+    def build(client: docker.DockerClient, tag: str) -> None:
         client.images.build(
             path=str(DOCKERFILE.parent),
             dockerfile=DOCKERFILE.name,
@@ -101,6 +96,21 @@ def sandbox_test_image() -> str:
             rm=True,
             forcerm=True,
         )
+
+    return _built_on_base(f"{TEST_REPOSITORY}:test-{digest}", build)
+
+
+def _built_on_base(tag: str, build: Callable[[docker.DockerClient, str], None]) -> str:
+    """`tag`, built by `build` on the test base (itself built first when missing) unless
+    this host has it already."""
+    client = docker.from_env(timeout=600)
+    try:
+        if _has_image(client, tag):
+            return tag
+        started = time.monotonic()
+        if not _has_image(client, BASE_IMAGE):
+            _build_base(client)
+        build(client, tag)
         print(f"built {tag} in {time.monotonic() - started:.1f} s")
         return tag
     finally:
@@ -247,14 +257,8 @@ def swebench_style_test_image() -> str:
         digest.update(f"\0{path}\0{text}".encode())
     for distribution in distributions:
         digest.update(f"\0{distribution.metadata['Name']}=={distribution.version}".encode())
-    tag = f"{SWEBENCH_STYLE_REPOSITORY}:test-{digest.hexdigest()[:12]}"
-    client = docker.from_env(timeout=600)
-    try:
-        if _has_image(client, tag):
-            return tag
-        started = time.monotonic()
-        if not _has_image(client, BASE_IMAGE):
-            _build_base(client)
+
+    def build(client: docker.DockerClient, tag: str) -> None:
         if (problem := mirror_problem()) is not None:
             pytest.skip(problem)
         with tempfile.TemporaryDirectory(prefix="opd-swebench-style-") as context:
@@ -271,7 +275,5 @@ def swebench_style_test_image() -> str:
             client.images.build(
                 path=context, tag=tag, buildargs={"BASE": BASE_IMAGE}, rm=True, forcerm=True
             )
-        print(f"built {tag} in {time.monotonic() - started:.1f} s")
-        return tag
-    finally:
-        client.close()
+
+    return _built_on_base(f"{SWEBENCH_STYLE_REPOSITORY}:test-{digest.hexdigest()[:12]}", build)
