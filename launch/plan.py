@@ -369,7 +369,8 @@ def _sync_step(job: JobConfig, host: str, run: str) -> Step:
 def _submit_note(job: JobConfig) -> str:
     rollout, notes = job.rollout, [_save_interval_note(job)]
     if rollout.harness == "swe":
-        notes.append(f"SWE sandboxes: {describe_sandboxes(job.sandbox, hosts_of(job))}")
+        where = describe_sandboxes(job.sandbox, hosts_of(job), on_cluster=True)
+        notes.append(f"SWE sandboxes: {where}")
     if job.algorithm.recipe in ("sft", "ssd") and rollout.samples_per_task > 1:
         trajectories = rollout.tasks_per_step * rollout.samples_per_task
         notes.append(

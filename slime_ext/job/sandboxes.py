@@ -65,8 +65,10 @@ def backends_of(section: SandboxConfig) -> tuple[Backend, ...]:
     return ("local", "docker")
 
 
-def describe_sandboxes(section: SandboxConfig, hosts: Literal["here", "ray"]) -> str:
-    """One line for plans and logs: the backend and where sandboxes start."""
+def describe_sandboxes(
+    section: SandboxConfig, hosts: Literal["here", "ray"], on_cluster: bool = False
+) -> str:
+    """One line for plans (`on_cluster`) and logs: the backend and where sandboxes start."""
     if section.backend == "e2b":
         mapped = f", {len(section.images)} images mapped" if section.images else ""
         return f"e2b (a template per task image{mapped}; key in ${section.e2b_api_key_env})"
@@ -76,7 +78,7 @@ def describe_sandboxes(section: SandboxConfig, hosts: Literal["here", "ray"]) ->
     elif hosts == "ray":
         where = "every Ray node offering the sandbox-host resource (cluster.sandbox_hosts)"
     else:
-        where = "this machine"
+        where = "the node slime's rollout process runs on" if on_cluster else "this machine"
     return (
         f"{backends} on {where}, up to {section.max_sandboxes} per host, "
         f"{section.memory_mb} MB / {section.cpus:g} CPU / {section.max_processes} processes "
