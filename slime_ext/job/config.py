@@ -175,7 +175,9 @@ class SandboxConfig(Section):
     cluster.sandbox_hosts names any, here otherwise. `fleet_file` overrides it."""
     fleet_file: str | None = None
     """A fleet YAML ({config: fleet settings, hosts: [host settings, ...]}) naming the
-    hosts and their daemons itself; the limits below then come from that file."""
+    hosts and their daemons itself; the limits below then come from that file. Read where
+    the sandboxes are opened (on a cluster, the rollout process's node): give an absolute
+    path on shared storage."""
     command_timeout_s: float = Field(default=30.0, gt=0.0)
     """Deadline of one command or python call."""
     memory_mb: int = Field(default=2048, ge=16)
