@@ -123,8 +123,10 @@ def sample(
         )
         task_list = load_tasks(tasks, seed=seed)
         done = done_samples(out)
-        sandboxes = JobSandboxes.of_job(job, run_owner(out, prefix="opd-ssd"))
-        agent = harness_for(job, sandboxes if harness == "swe" else None)
+        sandboxes = None
+        if harness == "swe":
+            sandboxes = JobSandboxes.of_job(job, run_owner(out, prefix="opd-ssd"))
+        agent = harness_for(job, sandboxes)
         for task in task_list:  # a task the harness cannot start fails here, not mid-run
             agent.initial_messages(task)
         source = resolve_policy(policy, tokenizer, models_dir or out.parent / "models", seed)
@@ -147,10 +149,8 @@ def sample(
         sampler_seed = resume_seed(seed, len(done))
         async with (
             open_policy(source, sampler_seed, concurrency) as (backend, hf_tokenizer),
-            contextlib.AsyncExitStack() as stack,
+            sandboxes or contextlib.nullcontext(),
         ):
-            if harness == "swe":
-                await stack.enter_async_context(sandboxes)
             renderer = ChatRenderer(
                 hf_tokenizer,
                 agent.tools,

@@ -201,17 +201,15 @@ class JobSandboxes:
         *,
         hosts: Literal["here", "ray"] = "here",
         trajectory_timeout_s: float = 2400.0,
-        fleet_config: FleetConfig | None = None,
         e2b_sdk: Any = None,
     ) -> None:
         """`hosts`: resolved (see `hosts_of`); `trajectory_timeout_s`: an E2B sandbox's
-        lifetime at creation; `fleet_config`: the fleet's settings (default: the owner's
-        defaults; a fleet file brings its own)."""
+        lifetime at creation. The fleet has the owner's default settings (a fleet file
+        brings its own)."""
         self.section = section
         self.owner = owner
         self.hosts = hosts
         self._trajectory_timeout_s = trajectory_timeout_s
-        self._fleet_config = fleet_config
         self._e2b_sdk = e2b_sdk
         self._fleet: Fleet | None = None
         self._e2b: Any = None
@@ -268,7 +266,7 @@ class JobSandboxes:
             )
             self._e2b = e2b_sandbox_factory(e2b, sdk=self._e2b_sdk, templates=section.images)
             return
-        config = self._fleet_config or FleetConfig(owner=self.owner)
+        config = FleetConfig(owner=self.owner)
         hosts: list[SandboxHost]
         if section.fleet_file:
             config, host_configs = load_fleet_file(section.fleet_file)
