@@ -142,6 +142,12 @@ def check_cluster(job: JobConfig) -> None:
         if teacher.node is not None and teacher.model is None:
             problems.append("teacher.model: the checkpoint `opd launch` serves on teacher.node")
     problems += _sampling_problems(job) + _sandbox_problems(job)
+    if job.algorithm.reward_weight > 0:
+        problems.append(
+            f"algorithm.reward_weight {job.algorithm.reward_weight}: OPD plus outcome reward "
+            "trains on the local trainer only (slime's loss gets the teacher's KL or the "
+            "reward's advantages, not both yet): set algorithm.reward_weight: 0"
+        )
     problems += extra_args_problems(job)
     if problems:
         raise ConfigError("not launchable on a cluster:\n  " + "\n  ".join(problems))

@@ -188,6 +188,13 @@ def export(
         list[Path], typer.Option(help="Trajectories JSONL from `opd ssd sample` (repeatable).")
     ],
     out: Annotated[Path, typer.Option(help="SFT records: .parquet (or .jsonl).")],
+    mask_invalid_turns: Annotated[
+        bool,
+        typer.Option(
+            help="Leave tier-1/2 turns (no valid action, shell syntax errors) out of the loss; "
+            "--no-mask-invalid-turns trains on them too (the masking ablation)."
+        ),
+    ] = True,
 ) -> None:
     """Write per-turn SFT records (context + span ids, loss on the span only, tier-1/2
     turns masked) of the completed and truncated trajectories; identical records once;
@@ -196,7 +203,7 @@ def export(
         if not path.is_file():
             raise _fail(f"{path} does not exist")
     try:
-        summary = export_records(trajectories, out)
+        summary = export_records(trajectories, out, mask_invalid_turns)
     except (SSDInputError, TrajectoryFormatError) as err:
         raise _fail(str(err)) from None
     path = write_summary(out, summary)
@@ -232,7 +239,11 @@ def _print_export_summary(summary: ExportSummary) -> None:
     table.add_row("skipped trajectories", _counts(summary.skipped) or "none")
     table.add_row("duplicates dropped", str(summary.duplicates_dropped))
     table.add_row("turns per tier", _counts(summary.turns_per_tier))
-    table.add_row("masked share", f"{summary.masked_share:.2%} ({summary.masked_turns} turns)")
+    if summary.mask_invalid:
+        masked = f"{summary.masked_share:.2%} ({summary.masked_turns} turns)"
+    else:
+        masked = f"none: {summary.masked_turns} tier-1/2 turns kept in the loss"
+    table.add_row("masked share", masked)
     table.add_row(
         "tokens",
         f"loss {summary.loss_tokens} of {summary.response_tokens} span tokens; "

@@ -59,13 +59,17 @@ def classify_turn(
 
 
 def loss_mask_for(
-    tier: MaskTier, loss: Literal["imitation", "kl"], train_kl_on_invalid: bool = True
+    tier: MaskTier,
+    loss: Literal["imitation", "kl"],
+    train_kl_on_invalid: bool = True,
+    imitate_invalid: bool = False,
 ) -> bool:
     """Whether a turn of `tier` carries loss: imitation losses (SFT, SSD, OPRD's success
-    NLL) never train on invalid turns; KL-to-teacher losses do unless configured off."""
+    NLL) leave invalid turns out (the error masking; `imitate_invalid` turns it off, for
+    its ablation); KL-to-teacher losses train on them unless configured off."""
     if tier is MaskTier.VALID:
         return True
-    return loss == "kl" and train_kl_on_invalid
+    return train_kl_on_invalid if loss == "kl" else imitate_invalid
 
 
 @dataclass

@@ -45,11 +45,12 @@ class TurnRecord(BaseModel):
         return self
 
 
-def turn_records(trajectory: Trajectory, train_on_invalid: bool = False) -> list[TurnRecord]:
-    """The imitation samples of a trajectory: every turn, invalid ones masked."""
+def turn_records(trajectory: Trajectory, mask_invalid: bool = True) -> list[TurnRecord]:
+    """The imitation samples of a trajectory: every turn, invalid ones (tiers 1 and 2)
+    masked unless `mask_invalid` is off (the masking ablation)."""
     records = []
     for k, turn in enumerate(trajectory.turns):
-        carries = loss_mask_for(turn.mask_tier, "imitation", train_on_invalid)
+        carries = loss_mask_for(turn.mask_tier, "imitation", imitate_invalid=not mask_invalid)
         records.append(
             TurnRecord(
                 trajectory_id=trajectory.trajectory_id,

@@ -255,7 +255,10 @@ class ExportSummary(BaseModel):
     turns_per_tier: dict[str, int] = Field(default_factory=dict)
     """Of the records written."""
     masked_turns: int = 0
+    """Tier-1/2 records (their loss mask is 0 unless the export kept them)."""
     masked_share: float = 0.0
+    mask_invalid: bool = True
+    """Whether tier-1/2 turns were masked (off: the masking ablation)."""
     loss_tokens: int = 0
     """Span tokens with loss mask 1."""
     response_tokens: int = 0
@@ -264,12 +267,15 @@ class ExportSummary(BaseModel):
     """Context + span tokens of every record (what per-turn training processes)."""
 
 
-def export_records(paths: Sequence[Path], out: Path) -> ExportSummary:
+def export_records(paths: Sequence[Path], out: Path, mask_invalid: bool = True) -> ExportSummary:
     """Per-turn imitation records of the completed and truncated trajectories in `paths`,
-    identical (tokens, loss_mask) records once, written to `out` (.parquet or .jsonl)."""
+    identical (tokens, loss_mask) records once, written to `out` (.parquet or .jsonl);
+    tier-1/2 turns carry no loss unless `mask_invalid` is off (the masking ablation)."""
     if out.suffix not in RECORD_SUFFIXES:
         raise SSDInputError(f"{out}: the export is written as .parquet or .jsonl")
-    summary = ExportSummary(inputs=[str(p) for p in paths], output=str(out))
+    summary = ExportSummary(
+        inputs=[str(p) for p in paths], output=str(out), mask_invalid=mask_invalid
+    )
     records: list[TurnRecord] = []
     seen_records: set[bytes] = set()
     seen_ids: Counter[str] = Counter()
@@ -290,7 +296,8 @@ def export_records(paths: Sequence[Path], out: Path) -> ExportSummary:
                     update={"trajectory_id": f"{trajectory.trajectory_id}~{repeat}"}
                 )
             kept = 0
-            for record, turn in zip(turn_records(trajectory), trajectory.turns, strict=True):
+            records_of = turn_records(trajectory, mask_invalid)
+            for record, turn in zip(records_of, trajectory.turns, strict=True):
                 key = _record_key(record)
                 if key in seen_records:
                     summary.duplicates_dropped += 1

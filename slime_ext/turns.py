@@ -92,7 +92,12 @@ class _Spans:
     topk_logprobs: list[list[float]] | None
 
 
-def _spans(trajectories: Sequence[Trajectory], loss: LossKind, train_kl_on_invalid: bool) -> _Spans:
+def _spans(
+    trajectories: Sequence[Trajectory],
+    loss: LossKind,
+    train_kl_on_invalid: bool,
+    imitate_invalid: bool = False,
+) -> _Spans:
     targets: list[int] = []
     mask: list[bool] = []
     owners: list[int] = []
@@ -104,7 +109,7 @@ def _spans(trajectories: Sequence[Trajectory], loss: LossKind, train_kl_on_inval
     for index, trajectory in enumerate(trajectories):
         for turn in trajectory.turns:
             targets += turn.span_ids
-            carries = loss_mask_for(turn.mask_tier, loss, train_kl_on_invalid)
+            carries = loss_mask_for(turn.mask_tier, loss, train_kl_on_invalid, imitate_invalid)
             mask += [carries] * len(turn.span_ids)
             owners += [index] * len(turn.span_ids)
             has_sampler &= turn.logprobs is not None
@@ -160,6 +165,7 @@ def per_turn_batch(
     loss: LossKind,
     train_kl_on_invalid: bool = True,
     pad_id: int = 0,
+    imitate_invalid: bool = False,
 ) -> TurnBatch:
     sequences: list[list[int]] = []
     span_starts: list[int] = []
@@ -177,7 +183,7 @@ def per_turn_batch(
         attention[row, : len(sequence)] = 1
         # the output at position p predicts token p + 1
         rows += [row * width + p for p in range(start - 1, len(sequence) - 1)]
-    spans = _spans(trajectories, loss, train_kl_on_invalid)
+    spans = _spans(trajectories, loss, train_kl_on_invalid, imitate_invalid)
     return _batch(spans, input_ids, attention, rows, len(trajectories), int(attention.sum()))
 
 
@@ -376,6 +382,7 @@ def packed_batch(
     train_kl_on_invalid: bool = True,
     pad_id: int = 0,
     dense_mask_up_to: int | None = None,
+    imitate_invalid: bool = False,
 ) -> TurnBatch:
     """One packed sequence per trajectory; the same span tokens as `per_turn_batch`.
     The [B, L, L] attention mask is built when the longest packed sequence has at most
@@ -397,7 +404,7 @@ def packed_batch(
         if dense_mask:
             mask[row, :size, :size] = attention_rule(pack)
         rows += [row * width + r for r in pack.span_rows]
-    spans = _spans(trajectories, loss, train_kl_on_invalid)
+    spans = _spans(trajectories, loss, train_kl_on_invalid, imitate_invalid)
     processed = sum(len(p.ids) for p in packs)
     batch = _batch(spans, input_ids, mask[:, None], rows, count, processed, positions)
     batch.packs = None if dense_mask else packs

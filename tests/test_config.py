@@ -102,6 +102,10 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         ({"rollout": {"max_new_tokens": 4096, "max_context_tokens": 4096}}, "must be smaller than"),
         ({"algorithm": {"recipe": "ppo"}}, "algorithm.recipe"),
         (
+            {"algorithm": {"recipe": "rl", "reward_weight": 1.0}},
+            "reward_weight adds an outcome reward to a teacher's KL",
+        ),
+        (
             {"parallel": {"num_nodes": 4, "gpus_per_node": 4, "tp": 2, "cp": 2, "dp": 2}},
             r"tp x cp x dp x pp = 2 x 2 x 2 x 1 = 8 GPUs, .* = 16: set dp to 4",
         ),

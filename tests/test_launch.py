@@ -426,6 +426,12 @@ def test_top_p_below_one_is_refused_where_slime_samples(recipe: str) -> None:
     assert "rollout_top_p_token_ids" in message and "set rollout.top_p: 1.0" in message
 
 
+def test_opd_plus_reward_is_refused_on_a_cluster() -> None:
+    job = _cluster_job(algorithm={"reward_weight": 0.5})
+    with pytest.raises(ConfigError, match=r"reward_weight 0.5: OPD plus outcome .* local"):
+        check_cluster(job)
+
+
 def test_top_k_truncation_is_refused_where_slime_samples() -> None:
     job = _oprd_job(rollout={"top_k": 20})
     with pytest.raises(ConfigError, match=r"rollout.top_k 20: slime keeps no top-k .* -1"):

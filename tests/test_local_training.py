@@ -134,6 +134,71 @@ def test_trainer_loss_is_the_loss_module_per_trajectory(
     assert float(loss) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
 
 
+def _groups_of_two(factory_tokenizer: Any) -> list[Trajectory]:
+    """Two tasks, each a group of a solved and a failed copy of its trace, teacher-scored."""
+    trajectories = []
+    for trace in _traces(factory_tokenizer, 2):
+        for reward in (1.0, 0.0):
+            copy = trace.model_copy(deep=True)
+            copy.trajectory_id, copy.reward = f"{trace.task.task_id}#{int(reward)}", reward
+            for turn in copy.turns:
+                turn.teacher_logprobs = [-1.5] * len(turn.span_ids)
+            trajectories.append(copy)
+    return trajectories
+
+
+@pytest.mark.parametrize("opd_loss", ["sampled", "topk_tail"])
+def test_opd_plus_reward_is_the_kl_plus_the_weighted_rl_loss(
+    factory_tokenizer: Any, opd_loss: str
+) -> None:
+    """algorithm.reward_weight w: the OPD loss plus w times recipe rl's loss on the same
+    trajectories, gradients included."""
+    trajectories = _groups_of_two(factory_tokenizer)
+    for trajectory in trajectories:
+        for turn in trajectory.turns:
+            turn.teacher_topk_ids = [[5, 6]] * len(turn.span_ids)
+            turn.teacher_topk_logprobs = [[-0.5, -1.5]] * len(turn.span_ids)
+    model = build_model("qwen3-tiny", factory_tokenizer, seed=2)
+
+    def loss_and_grad(weight: float, recipe: str) -> tuple[float, torch.Tensor]:
+        model.zero_grad()
+        config = TrainerConfig(reward_weight=weight, opd_loss=opd_loss)  # type: ignore[arg-type]
+        loss, metrics = LocalTrainer(model, config).loss(trajectories, recipe)  # type: ignore[arg-type]
+        loss.backward()
+        if weight or recipe == "rl":
+            assert metrics["train/nonzero_advantage_frac"] == 1.0
+        return float(loss), model.get_output_embeddings().weight.grad.clone()
+
+    kl, kl_grad = loss_and_grad(0.0, "opd")
+    rl, rl_grad = loss_and_grad(0.0, "rl")
+    both, both_grad = loss_and_grad(0.5, "opd")
+    assert rl != 0.0
+    assert both == pytest.approx(kl + 0.5 * rl, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(both_grad, kl_grad + 0.5 * rl_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_rl_logs_groups_without_signal(factory_tokenizer: Any) -> None:
+    trajectories = _groups_of_two(factory_tokenizer)
+    trajectories[2].reward = trajectories[3].reward = 0.0  # the second group all failed
+    trainer = LocalTrainer(build_model("qwen3-tiny", factory_tokenizer, seed=2))
+    assert trainer.loss(trajectories, "rl")[1]["train/nonzero_advantage_frac"] == 0.5
+
+
+def test_sft_masks_invalid_turns_unless_the_ablation_keeps_them(factory_tokenizer: Any) -> None:
+    trajectories = _traces(factory_tokenizer, 2)
+    for trajectory in trajectories:
+        for turn in trajectory.turns:  # (the answer turn reads as tier 1 to the parser)
+            turn.mask_tier = MaskTier.VALID
+    invalid = trajectories[0].turns[0]
+    invalid.mask_tier = MaskTier.INVALID_ACTION
+    model = build_model("qwen3-tiny", factory_tokenizer, seed=2)
+    all_tokens = sum(len(turn.span_ids) for t in trajectories for turn in t.turns)
+    masked = LocalTrainer(model).loss(trajectories, "sft")[1]["train/loss_tokens"]
+    kept = LocalTrainer(model, TrainerConfig(mask_invalid_turns=False)).loss(trajectories, "sft")
+    assert masked == all_tokens - len(invalid.span_ids)
+    assert kept[1]["train/loss_tokens"] == all_tokens
+
+
 def test_sft_lowers_the_nll(factory_tokenizer: Any) -> None:
     trajectories = _traces(factory_tokenizer, 8)
     trainer = LocalTrainer(

@@ -114,6 +114,16 @@ def test_loss_mask_by_recipe(tier: MaskTier, loss: str, train_kl: bool, expected
     assert loss_mask_for(tier, loss, train_kl) is expected  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("tier", [MaskTier.INVALID_ACTION, MaskTier.SHELL_ERROR])
+def test_imitation_keeps_invalid_turns_only_when_asked(tier: MaskTier) -> None:
+    """The masking ablation: imitation trains on tier-1/2 turns with imitate_invalid, and
+    that switch leaves KL losses to train_kl_on_invalid."""
+    assert loss_mask_for(tier, "imitation", imitate_invalid=True) is True
+    assert loss_mask_for(tier, "imitation", False, imitate_invalid=True) is True
+    assert loss_mask_for(tier, "kl", False, imitate_invalid=True) is False
+    assert loss_mask_for(tier, "kl", True, imitate_invalid=False) is True
+
+
 def test_mask_stats_count_tiers() -> None:
     tiers = [MaskTier.VALID] * 37 + [MaskTier.INVALID_ACTION] * 2 + [MaskTier.SHELL_ERROR]
     turns = [

@@ -241,6 +241,12 @@ def test_export_masks_invalid_turns_skips_aborted_and_drops_duplicates(
     jsonl = tmp_path / "sft.jsonl"
     export_records([first, second, other], jsonl)
     assert read_records(jsonl) == records  # parquet and JSONL hold the same records
+
+    # the masking ablation: the same records, the tier-1/2 turns' spans in the loss
+    kept = export_records([first], tmp_path / "kept.jsonl", mask_invalid=False)
+    assert not kept.mask_invalid and kept.masked_turns == 2
+    assert all(all(r.loss_mask) for r in read_records(tmp_path / "kept.jsonl"))
+    assert kept.loss_tokens == kept.response_tokens > exported.loss_tokens - 1
     with pytest.raises(SSDInputError, match="written as"):
         export_records([first], tmp_path / "sft.csv")
 

@@ -342,6 +342,10 @@ class AlgorithmConfig(Section):
     """Global gradient-norm clip."""
     kl_coef: float = Field(default=1.0, ge=0.0)
     """Weight of the per-token reverse-KL advantage."""
+    reward_weight: float = Field(default=0.0, ge=0.0)
+    """opd / opsd: add the group-normalized outcome advantage (recipe rl's, groups of
+    rollout.samples_per_task), times this weight, to the per-token KL advantage: OPD plus
+    outcome reward. 0: the teacher's signal alone. Local trainer only."""
     opd_loss: Literal["sampled", "topk_tail", "topk_renorm"] = "sampled"
     """OPD's per-token loss: the sampled reverse KL in policy-gradient form, or the reverse
     KL against the teacher's top-k (teacher.top_k > 0) with a tail bucket or renormalized."""
@@ -512,6 +516,12 @@ class JobConfig(Section):
                 f"teacher.hint_max_new_tokens ({self.teacher.hint_max_new_tokens}) leaves the "
                 "student no room for the hint prompt (task and attempt) within "
                 f"rollout.max_context_tokens ({self.rollout.max_context_tokens}): lower it"
+            )
+        if self.algorithm.reward_weight > 0 and recipe not in ("opd", "opsd"):
+            raise ValueError(
+                f"algorithm.reward_weight adds an outcome reward to a teacher's KL (recipes "
+                f"opd, opsd); recipe {recipe!r} has no KL to add it to (recipe rl trains on "
+                "the reward alone)"
             )
         if recipe == "opd" and self.teacher.kind == "self":
             raise ValueError(

@@ -182,6 +182,7 @@ class LocalRun:
                 grad_clip=algorithm.grad_clip,
                 temperature=rollout.temperature,
                 kl_coef=algorithm.kl_coef,
+                reward_weight=algorithm.reward_weight,
                 train_on_invalid_turns=algorithm.train_on_invalid_turns,
                 opd_loss=algorithm.opd_loss,
                 sequence_layout=algorithm.sequence_layout,

@@ -79,7 +79,12 @@ class TrainerConfig(BaseModel):
     pg_clip: float | None = None
     """PPO clip of the OPD ratio against the rollout's log-probs; None: fresh samples."""
     train_on_invalid_turns: bool = True
-    """KL and RL losses train on tier-1/2 turns (imitation never does)."""
+    """KL and RL losses train on tier-1/2 turns."""
+    mask_invalid_turns: bool = True
+    """Imitation losses (SFT, SSD) leave tier-1/2 turns out; off trains on them too (the
+    masking ablation)."""
+    reward_weight: float = Field(default=0.0, ge=0)
+    """See AlgorithmConfig.reward_weight."""
     chunk_size: int = Field(default=64, ge=1)
     """Tokens per LM-head chunk."""
     opd_loss: Literal["sampled", "topk_tail", "topk_renorm"] = "sampled"
@@ -214,12 +219,15 @@ class LocalTrainer:
 
     def batch(self, trajectories: Sequence[Trajectory], kind: LossKind) -> TurnBatch:
         invalid = self.config.train_on_invalid_turns
+        imitate = not self.config.mask_invalid_turns
         if self.layout == "per_turn":
-            return per_turn_batch(trajectories, kind, invalid, self.pad_id)
+            return per_turn_batch(trajectories, kind, invalid, self.pad_id, imitate)
         limit = {"mask": None, "kv": 0, "flex": 0, "auto": MASK_MAX_TOKENS}[
             self.config.packed_kernel
         ]
-        return packed_batch(trajectories, kind, invalid, self.pad_id, dense_mask_up_to=limit)
+        return packed_batch(
+            trajectories, kind, invalid, self.pad_id, limit, imitate_invalid=imitate
+        )
 
     def _hidden_rows(self, batch: TurnBatch, model: Any = None) -> Tensor:
         model = self.model if model is None else model
@@ -275,6 +283,7 @@ class LocalTrainer:
             "train/loss_tokens": float(batch.num_loss_tokens),
             "train/processed_tokens": float(batch.num_processed_tokens),
         }
+        student: Tensor | None = None  # the sampled OPD form's student log-probs
         if recipe == "opd" and self.config.opd_loss != "sampled":
             per_token = self.teacher_topk_loss(batch) * self.config.kl_coef
             metrics["train/teacher_topk_kl"] = float(
@@ -291,8 +300,9 @@ class LocalTrainer:
                     "rollout with per-turn teacher scoring"
                 )
             old = batch.sampler_logprobs if self.config.pg_clip is not None else None
+            student = self.span_logprobs(batch)
             result = reverse_kl_pg_loss(
-                self.span_logprobs(batch),
+                student,
                 batch.teacher_logprobs,
                 mask,
                 old_logprobs=old,
@@ -301,16 +311,35 @@ class LocalTrainer:
             per_token = result.per_token * self.config.kl_coef
             metrics.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
         elif recipe == "rl":
-            advantages = torch.tensor(group_advantages(trajectories))[batch.trajectory_index]
-            per_token = -advantages * self.span_logprobs(batch)
+            per_token = self._reward_loss(trajectories, batch, metrics)
         else:
             result = masked_nll(self.span_logprobs(batch), mask)
             per_token = result.per_token
             metrics["train/nll"] = float(result.metrics["nll"])
+        if recipe == "opd" and self.config.reward_weight > 0:  # OPD + outcome reward
+            reward = self._reward_loss(trajectories, batch, metrics, student)
+            per_token = per_token + self.config.reward_weight * reward
         weights = trajectory_token_weights(mask, batch.trajectory_index, batch.num_trajectories)
         loss = weighted_sum(per_token, weights)
         metrics["train/loss"] = float(loss.detach())
         return loss, metrics
+
+    def _reward_loss(
+        self,
+        trajectories: Sequence[Trajectory],
+        batch: TurnBatch,
+        metrics: dict[str, float],
+        logprobs: Tensor | None = None,
+    ) -> Tensor:
+        """REINFORCE on group-normalized outcome advantages, per token; logs the share of
+        trajectories whose advantage is not 0 (a group whose rewards are all equal, as
+        all-failed groups at a weak start, teaches nothing)."""
+        values = group_advantages(trajectories)
+        metrics["train/nonzero_advantage_frac"] = sum(abs(a) > 1e-6 for a in values) / max(
+            len(values), 1
+        )
+        advantages = torch.tensor(values)[batch.trajectory_index]
+        return -advantages * (self.span_logprobs(batch) if logprobs is None else logprobs)
 
     def oprd_loss(self, trajectories: Sequence[Trajectory]) -> tuple[Tensor, dict[str, float]]:
         """lambda_+ * mean over successes (reward > 0) of their token-mean NLL (tier-1/2 turns
