@@ -156,10 +156,19 @@ async def _read_frames(stream: asyncio.StreamReader, route: _Route) -> None:
         route.end()
 
 
+def _interpreter_path(python: str) -> Path:
+    """`python` as the sandbox must name it: absolute, its directory with no `..` or
+    symlink in it (a launch as `../.venv/bin/python` names a directory the sandbox does not
+    mount), the binary itself kept (a venv's python is a link whose target is outside the
+    venv)."""
+    executable = Path(shutil.which(python) or python).absolute()
+    return Path(os.path.realpath(executable.parent)) / executable.name
+
+
 def _interpreter_roots(python: str) -> list[Path]:
     """Directories `python` needs (its venv, the prefix its binary belongs to), which
     strict isolation mounts read-only."""
-    executable = Path(shutil.which(python) or python).absolute()
+    executable = _interpreter_path(python)
     roots = {executable.parent.parent, Path(os.path.realpath(executable)).parent.parent}
     venv_config = executable.parent.parent / "pyvenv.cfg"
     try:
@@ -204,7 +213,7 @@ class PythonWorker(StartsAndCloses):
             "preload_modules": self.config.preload_modules,
             "drop_to_uid": sandbox.uid if sandbox.isolation == "basic" else None,
         }
-        python = self.config.python or sys.executable
+        python = str(_interpreter_path(self.config.python or sys.executable))
         command = [python, "-I", str(CHILD_SCRIPT), json.dumps(options)]
         env = {k: v for k, v in SINGLE_THREADED_ENV.items() if k not in self.config.sandbox.env}
         ro_files = [CHILD_SCRIPT, *_interpreter_roots(python)]

@@ -444,3 +444,19 @@ def test_an_interpreter_under_a_root_only_directory_runs_the_worker(
     assert "Permission denied" in control_stderr or "No such file" in control_stderr
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "42 1/3\n[]\n"
+
+
+def test_an_interpreter_named_through_dot_dot_runs_the_worker(
+    root_dir: Path, isolation: str, tmp_path: Path
+) -> None:
+    """`cd bench && ../.venv/bin/python x.py`: sys.executable passes through a directory
+    strict isolation does not mount; the worker still starts."""
+    elsewhere = tmp_path / "bench"
+    elsewhere.mkdir()
+    executable = Path(sys.executable).absolute()
+    dotted = elsewhere / os.path.relpath(executable.parent, elsewhere) / executable.name
+    assert ".." in dotted.parts and dotted.exists()
+    cfg = worker_config(root_dir, isolation).model_copy(update={"python": str(dotted)})
+    (result,) = run(cells(cfg, "6 * 7"))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "42\n"
