@@ -1,0 +1,609 @@
+"""Fair baselines: OPD against tuned outcome RL, SFT on traces and SSD, at equal optimizer
+steps and at equal compute, on the math TIR task from the bundled student (bench/README.md;
+the report it writes: docs/baselines.md).
+
+Every run trains the bundled student for `--steps` steps of 16 trajectories, saves a
+checkpoint every `--eval-every` steps and is scored greedily on the held-out TEST set at
+each checkpoint (the accuracy-vs-compute curve) and on a VALIDATION set at its end
+(validation: held-out problems drawn with another seed, none of them in the test set).
+Tuning picks each recipe's setting by validation accuracy; the tables report test.
+
+Recipes (16 trajectories per step for each):
+- opd: the bundled teacher's log-probs of the student's sampled tokens (per-turn sampled
+  reverse KL, as `opd demo`), 16 tasks x 1 sample;
+- rl: REINFORCE on group-normalized outcome advantages, 16/G tasks x G samples;
+- opd_rl: OPD plus the outcome advantage (algorithm.reward_weight 1), OPD's tuned lr and
+  RL's tuned group size;
+- sft: SFT on worked teacher-style traces (the scripted solutions the bundled teacher was
+  trained on; no rollouts);
+- ssd: simple self-distillation: `opd ssd sample` of the student's own trajectories
+  (temperature 1.1, top-k 10, top-p 0.95: the report's spec) once, then SFT on them, tier-1/2
+  turns masked.
+
+Compute, per run, by the code's own accounting: student tokens processed by training
+(the trainer's train/processed_tokens) plus student tokens sampled (the runner's span
+tokens of every trajectory) plus teacher tokens computed (the teacher service's
+opd_teacher_tokens_computed_total; scored tokens are also kept). Prefill of the student's
+rollout contexts is not counted (the HF policy's cache makes it implementation-defined).
+
+Parts (each resumable: finished runs are kept in --out as results, a killed LocalRun
+continues from its newest checkpoint, SSD's sampling from its file):
+    tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs)
+    compare  the tuned settings at seeds 1..n-1, opd_rl at every seed, then each recipe
+             extended until its compute reaches OPD's (equal compute)
+    ablate   SSD temperature (0.8, 1.1, 1.4), SSD without tier-1/2 masking, OPD with
+             think kept in later contexts; every seed
+    report   tables, paired differences against OPD, the plot (needs no training)
+
+    .venv/bin/python bench/baselines.py tune [--out runs/baselines]
+    .venv/bin/python bench/baselines.py compare
+    .venv/bin/python bench/baselines.py ablate
+    .venv/bin/python bench/baselines.py report [--report-dir docs/baselines]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+from rollout.trajectory import Task, Trajectory, read_jsonl
+from slime_ext.local.checkpoints import ResumeOptions
+from slime_ext.local.opd_demo import _accuracy, demo_job
+
+RECIPES = ("opd", "rl", "sft", "ssd")
+LRS = {
+    "opd": (3e-4, 1e-3, 3e-3),
+    "rl": (1e-4, 3e-4, 1e-3),
+    "sft": (3e-4, 1e-3, 3e-3),
+    "ssd": (1e-4, 3e-4, 1e-3),
+}
+GROUPS = (4, 8)
+"""RL's group sizes (8: slime's and GRPO's usual --n-samples-per-prompt)."""
+SSD_SAMPLING = {"temperature": 1.1, "top_k": 10, "top_p": 0.95}
+SSD_TEMPERATURES = (0.8, 1.1, 1.4)
+TRAJECTORIES_PER_STEP = 16
+MAX_EXTEND = 4
+"""A run extended for equal compute trains at most this many times --steps."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One training run's settings."""
+
+    recipe: str
+    lr: float
+    seed: int = 0
+    group: int = 1
+    temperature: float = 1.0
+    mask_invalid: bool = True
+    think: str = "drop"
+    reward_weight: float = 0.0
+
+    @property
+    def key(self) -> str:
+        parts = [self.recipe, f"lr{self.lr:g}"]
+        if self.group != 1:
+            parts.append(f"g{self.group}")
+        if self.recipe == "ssd":
+            parts.append(f"t{self.temperature:g}")
+        if not self.mask_invalid:
+            parts.append("nomask")
+        if self.think != "drop":
+            parts.append(f"think-{self.think}")
+        if self.reward_weight:
+            parts.append(f"rw{self.reward_weight:g}")
+        return "-".join(parts) + f"-s{self.seed}"
+
+    @property
+    def setting(self) -> str:
+        """The key without the seed: what tuning compares."""
+        return self.key.rsplit("-s", 1)[0]
+
+
+@dataclass
+class Scale:
+    steps: int = 12
+    eval_every: int = 4
+    n_test: int = 200
+    n_val: int = 100
+    seeds: int = 3
+
+
+@dataclass
+class Result:
+    arm: Arm
+    steps: int
+    """Steps trained (--steps, or more when extended for equal compute)."""
+    test: dict[int, float]
+    """Test accuracy at each evaluated step (0: the start)."""
+    test_scores: dict[int, list[float]]
+    """Per-problem test scores at each evaluated step."""
+    validation: float
+    """Validation accuracy at --steps."""
+    compute: list[dict[str, float]] = field(default_factory=list)
+    """Per step: student_train, student_sampled, teacher_computed, teacher_scored tokens."""
+    wall_s: float = 0.0
+    notes: dict[str, float] = field(default_factory=dict)
+    """Run statistics (mean reward of the rollouts, share of RL trajectories with a
+    non-zero advantage, ...)."""
+
+    def compute_at(self, step: int) -> float:
+        return sum(total(c) for c in self.compute[:step])
+
+
+def total(step: dict[str, float]) -> float:
+    return step["student_train"] + step["student_sampled"] + step["teacher_computed"]
+
+
+# -- the data ----------------------------------------------------------------------------
+
+
+def test_tasks(scale: Scale) -> list[Task]:
+    from rollout.tasks.arithmetic import make_tasks
+
+    return make_tasks(scale.n_test, "heldout", seed=1)
+
+
+def validation_tasks(scale: Scale) -> list[Task]:
+    """Held-out problems drawn with another seed, none in the test set."""
+    from rollout.tasks.arithmetic import make_tasks
+
+    test = {task.prompt for task in test_tasks(scale)}
+    pool = make_tasks(scale.n_val + scale.n_test, "heldout", seed=2)
+    chosen = [task for task in pool if task.prompt not in test][: scale.n_val]
+    assert len(chosen) == scale.n_val and not test & {t.prompt for t in chosen}
+    return chosen
+
+
+# -- one run -----------------------------------------------------------------------------
+
+
+def run_dir_of(out: Path, arm: Arm) -> Path:
+    return out / "runs" / arm.key
+
+
+def load_result(out: Path, arm: Arm) -> Result | None:
+    path = run_dir_of(out, arm) / "result.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return Result(
+        arm=Arm(**data["arm"]),
+        steps=data["steps"],
+        test={int(k): v for k, v in data["test"].items()},
+        test_scores={int(k): v for k, v in data["test_scores"].items()},
+        validation=data["validation"],
+        compute=data["compute"],
+        wall_s=data["wall_s"],
+        notes=data.get("notes", {}),
+    )
+
+
+def save_result(out: Path, result: Result) -> None:
+    path = run_dir_of(out, result.arm) / "result.json"
+    data = asdict(result)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class Compute:
+    """Per-step token counts of a run, appended as each step ends (a resumed run's redone
+    steps replace theirs)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.steps: dict[int, dict[str, float]] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self.steps[int(row.pop("step"))] = row
+
+    def add(self, step: int, row: dict[str, float]) -> None:
+        self.steps[step] = row
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"step": step, **row}) + "\n")
+
+    def rows(self, steps: int) -> list[dict[str, float]]:
+        missing = [s for s in range(steps) if s not in self.steps]
+        if missing:
+            raise RuntimeError(f"{self.path}: no token counts for steps {missing}")
+        return [self.steps[s] for s in range(steps)]
+
+
+def teacher_counters(url: str) -> tuple[float, float]:
+    """(tokens scored, tokens computed) so far, from the teacher service's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return (
+        float(values["opd_teacher_tokens_scored_total"]),
+        float(values["opd_teacher_tokens_computed_total"]),
+    )
+
+
+def sampled_tokens(metrics: dict[str, float], trajectories: int) -> float:
+    """Span tokens of every trajectory of a step (the runner's per-turn means, undone)."""
+    return metrics["rollout/tokens_per_turn"] * metrics["rollout/num_turns"] * trajectories
+
+
+def train_local_run(arm: Arm, steps: int, run_dir: Path, student: Path, teacher: Path) -> None:
+    """opd, rl, opd_rl: the local trainer's loop (`opd train`), resumed where it stopped."""
+    from rollout.tasks.arithmetic import make_tasks
+    from slime_ext.local.loop import LocalRun, embedded_teacher
+
+    job = demo_job(run_dir, steps, seed=arm.seed).model_copy(deep=True)
+    job.algorithm.recipe = "rl" if arm.recipe == "rl" else "opd"  # type: ignore[assignment]
+    job.algorithm.lr = arm.lr
+    job.algorithm.reward_weight = arm.reward_weight
+    job.rollout.samples_per_task = arm.group
+    job.rollout.tasks_per_step = TRAJECTORIES_PER_STEP // arm.group
+    job.rollout.think_policy = arm.think  # type: ignore[assignment]
+    job.logging.wandb_mode = "disabled"
+    job.logging.keep_checkpoints = 10_000
+    tasks = make_tasks(4000, "train", seed=arm.seed)
+    compute = Compute(run_dir / "compute.jsonl")
+    resume = ResumeOptions(allow_changed=("algorithm.steps", "logging.save_every_steps"))
+    job.logging.save_every_steps = 1  # every step (13 MB): a killed run loses none
+    run = LocalRun(job, student, run_dir, resume=resume)
+    if run.step >= steps:
+        return
+    per_step = job.rollout.tasks_per_step * job.rollout.samples_per_task
+
+    def account(url: str | None) -> Callable[[int, dict[str, float]], None]:
+        last = [0.0, 0.0]
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            if not metrics.get("train/trajectories_trained"):
+                aborts = {k: v for k, v in metrics.items() if k.startswith("rollout/abort")}
+                raise RuntimeError(
+                    f"{run_dir}: step {step} trained no trajectory ({aborts}); the numbers "
+                    "would be meaningless: fix the cause, delete the run directory, rerun"
+                )
+            scored = computed = 0.0
+            if url is not None:
+                now = teacher_counters(url)
+                scored, computed = now[0] - last[0], now[1] - last[1]
+                last[:] = now
+            row = {
+                "student_train": metrics.get("train/processed_tokens", 0.0),
+                "student_sampled": sampled_tokens(metrics, per_step),
+                "teacher_scored": scored,
+                "teacher_computed": computed,
+                "reward": metrics.get("rollout/reward", 0.0),
+                "nonzero_advantage_frac": metrics.get("train/nonzero_advantage_frac", math.nan),
+            }
+            compute.add(step, row)
+
+        return on_step
+
+    if job.algorithm.recipe == "rl":
+        asyncio.run(run.train(tasks, None, on_step=account(None)))
+    else:
+        with embedded_teacher(teacher, run_dir / "teacher.log") as url:
+            asyncio.run(run.train(tasks, url, on_step=account(url)))
+
+
+def imitation_data(arm: Arm, count: int, samples: Path, student: Path) -> list[Trajectory]:
+    """sft: worked traces; ssd: the student's own samples by `opd ssd sample` (resumed
+    from its file), ordered by task then sample, never by finishing time."""
+    from rollout.chat import ChatRenderer
+    from slime_ext.local.demo_models import trace_trajectories
+    from slime_ext.local.loop import tir_harness
+
+    if arm.recipe == "sft":
+        from transformers import AutoTokenizer
+
+        harness = tir_harness()
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(student), harness.tools)
+        return trace_trajectories(renderer, harness, count, arm.seed)
+    samples.parent.mkdir(parents=True, exist_ok=True)
+    sampling = {**SSD_SAMPLING, "temperature": arm.temperature}
+    command = [
+        sys.executable, "-m", "launch.cli", "ssd", "sample",
+        "--policy", str(student), "--tasks", f"arithmetic:{count}",
+        "--temperature", str(sampling["temperature"]), "--top-k", str(sampling["top_k"]),
+        "--top-p", str(sampling["top_p"]), "-n", "1", "--max-turns", "4", "--max-new-tokens", "64",
+        "--max-context-tokens", "1024", "--seed", str(arm.seed), "--out", str(samples),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"opd ssd sample failed:\n{done.stdout}\n{done.stderr}")
+    from rollout.tasks.arithmetic import make_tasks
+
+    order = {task.task_id: i for i, task in enumerate(make_tasks(count, "train", seed=arm.seed))}
+    trajectories = [t for t in read_jsonl(samples) if t.task.task_id in order]
+    return sorted(trajectories, key=lambda t: order[t.task.task_id])
+
+
+def train_imitation(
+    arm: Arm, steps: int, run_dir: Path, student: Path, eval_every: int, samples: Path
+) -> None:
+    """sft / ssd: SFT steps of 16 trajectories (tier-1/2 turns masked unless the arm says
+    not), a checkpoint at every evaluation step. A killed run redoes its steps (seconds)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slime_ext.local.trainer import LocalTrainer, TrainerConfig
+
+    if ckpt_dir(run_dir, steps).is_dir():
+        return
+    data = imitation_data(arm, steps * TRAJECTORIES_PER_STEP, samples, student)
+    if len(data) != steps * TRAJECTORIES_PER_STEP:
+        raise RuntimeError(f"{samples}: {len(data)} trajectories, wanted {steps * 16}")
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    model = AutoModelForCausalLM.from_pretrained(student)
+    config = TrainerConfig(lr=arm.lr, grad_clip=1.0, mask_invalid_turns=arm.mask_invalid)
+    trainer = LocalTrainer(model, config)  # NLL at temperature 1: the model's own distribution
+    compute = Compute(run_dir / "compute.jsonl")
+    sampled = arm.recipe == "ssd"
+    for step in range(steps):
+        batch = data[step * TRAJECTORIES_PER_STEP : (step + 1) * TRAJECTORIES_PER_STEP]
+        metrics = trainer.step(batch, "sft")
+        span = sum(len(turn.span_ids) for t in batch for turn in t.turns) if sampled else 0
+        compute.add(
+            step,
+            {
+                "student_train": metrics["train/processed_tokens"],
+                "student_sampled": float(span),
+                "teacher_scored": 0.0,
+                "teacher_computed": 0.0,
+                "reward": statistics.fmean(t.reward or 0.0 for t in batch) if sampled else 1.0,
+                "nonzero_advantage_frac": math.nan,
+            },
+        )
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            model.save_pretrained(ckpt_dir(run_dir, step + 1))
+            tokenizer.save_pretrained(ckpt_dir(run_dir, step + 1))
+
+
+def ckpt_dir(run_dir: Path, step: int) -> Path:
+    """A step's model: the local loop's checkpoint, or an imitation run's save."""
+    return run_dir / "checkpoints" / f"step_{step:05d}"
+
+
+def eval_steps(steps: int, eval_every: int) -> list[int]:
+    return sorted({s for s in range(eval_every, steps + 1, eval_every)} | {steps})
+
+
+class Bench:
+    def __init__(self, out: Path, scale: Scale, log: Callable[[str], None] = print) -> None:
+        from slime_ext.models.refs import bundled_models
+
+        self.out, self.scale, self.log = out, scale, log
+        self.student, self.teacher = bundled_models()
+        self.test, self.validation = test_tasks(scale), validation_tasks(scale)
+        out.mkdir(parents=True, exist_ok=True)
+        self._check_scale()
+
+    def _check_scale(self) -> None:
+        """One --out holds one scale: mixing would compare runs of other lengths."""
+        path = self.out / "scale.json"
+        wanted = {k: v for k, v in asdict(self.scale).items() if k != "seeds"}
+        if path.is_file():
+            found = json.loads(path.read_text())
+            if found != wanted:
+                raise SystemExit(
+                    f"{self.out} holds runs at {found}, not {wanted}: use another --out"
+                )
+        else:
+            path.write_text(json.dumps(wanted))
+
+    def start_scores(self) -> list[float]:
+        path = self.out / "start.json"
+        if path.is_file():
+            return list(json.loads(path.read_text()))
+        scores = asyncio.run(_accuracy(self.student, self.test))
+        path.write_text(json.dumps(scores))
+        return scores
+
+    def run(self, arm: Arm, steps: int | None = None, curve: bool = True) -> Result:
+        """The arm trained to `steps` (default --steps) and scored on the test set at every
+        evaluation step (`curve`) or at `steps` only (tuning); kept results and scores are
+        reused, a shorter finished run is extended, a missing score is filled in."""
+        steps = steps or self.scale.steps
+        every = self.scale.eval_every
+        wanted = eval_steps(steps, every) if curve else [steps]
+        found = load_result(self.out, arm)
+        if found is not None and found.steps >= steps:
+            if all(s in found.test_scores for s in wanted):
+                return found
+            steps = found.steps  # only scores to fill in
+        run_dir = run_dir_of(self.out, arm)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        self.log(f"{arm.key}: training {steps} steps")
+        if arm.recipe in ("sft", "ssd"):
+            samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
+            train_imitation(arm, steps, run_dir, self.student, every, samples)
+        else:
+            train_local_run(arm, steps, run_dir, self.student, self.teacher)
+        compute = Compute(run_dir / "compute.jsonl").rows(steps)
+        test_scores = dict(found.test_scores) if found else {0: self.start_scores()}
+        for step in sorted({*wanted, steps}):
+            if step not in test_scores:
+                self.log(f"{arm.key}: scoring step {step} on {len(self.test)} test problems")
+                test_scores[step] = asyncio.run(_accuracy(ckpt_dir(run_dir, step), self.test))
+        test = {step: statistics.fmean(scores) for step, scores in sorted(test_scores.items())}
+        if found is not None:
+            validation = found.validation
+        else:
+            checkpoint = ckpt_dir(run_dir, self.scale.steps)
+            validation = statistics.fmean(asyncio.run(_accuracy(checkpoint, self.validation)))
+        wall = (found.wall_s if found else 0.0) + time.perf_counter() - started
+        result = Result(arm, steps, test, test_scores, validation, compute, wall, {})
+        result.notes = {
+            "reward_mean": statistics.fmean(c["reward"] for c in compute),
+            "nonzero_advantage_frac": _nanmean(c["nonzero_advantage_frac"] for c in compute),
+        }
+        save_result(self.out, result)
+        self._trim(run_dir, steps)
+        self.log(
+            f"{arm.key}: test {test[self.scale.steps]:.1%} at step {self.scale.steps} "
+            f"(validation {validation:.1%}), {result.compute_at(steps):,.0f} tokens, "
+            f"{wall:.0f} s"
+        )
+        return result
+
+    def _trim(self, run_dir: Path, steps: int) -> None:
+        """Keep the checkpoints of the evaluation steps (a score left out in tuning is
+        filled in later) and the last (an extension resumes from it)."""
+        keep = {*eval_steps(steps, self.scale.eval_every), steps}
+        for path in (run_dir / "checkpoints").glob("step_*"):
+            if int(path.name.split("_")[1]) not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- parts ----------------------------------------------------------------------------
+
+    def grid(self, recipe: str) -> list[Arm]:
+        if recipe == "rl":
+            return [Arm("rl", lr, group=g) for lr in LRS["rl"] for g in GROUPS]
+        if recipe == "ssd":
+            return [Arm("ssd", lr, temperature=SSD_SAMPLING["temperature"]) for lr in LRS["ssd"]]
+        return [Arm(recipe, lr) for lr in LRS[recipe]]
+
+    def tune(self, recipes: Iterable[str] = RECIPES) -> None:
+        for recipe in recipes:
+            for arm in self.grid(recipe):
+                self.run(arm, curve=False)
+
+    def tuned(self, recipe: str) -> Arm:
+        """The recipe's setting with the best validation accuracy at seed 0 (ties: the
+        lower lr)."""
+        results = [load_result(self.out, arm) for arm in self.grid(recipe)]
+        done = [r for r in results if r is not None]
+        if len(done) < len(results):
+            raise SystemExit(f"tuning {recipe} is not finished: run the tune part first")
+        return max(done, key=lambda r: (r.validation, -r.arm.lr)).arm
+
+    def compare_arms(self) -> dict[str, list[Arm]]:
+        seeds = range(self.scale.seeds)
+        arms = {r: [replace(self.tuned(r), seed=s) for s in seeds] for r in RECIPES}
+        opd, rl = self.tuned("opd"), self.tuned("rl")
+        arms["opd_rl"] = [
+            replace(opd, group=rl.group, reward_weight=1.0, seed=s) for s in range(self.scale.seeds)
+        ]
+        return arms
+
+    def compare(self) -> None:
+        arms = self.compare_arms()
+        for seed in range(self.scale.seeds):  # seed-major: each seed's arms pair up early
+            for group in arms.values():
+                self.run(group[seed])
+        budget = self.budget()
+        for recipe, group in arms.items():
+            if recipe == "opd":
+                continue
+            for arm in group:
+                result = self.run(arm)
+                per_step = result.compute_at(result.steps) / result.steps
+                need = min(math.ceil(budget / per_step), MAX_EXTEND * self.scale.steps)
+                if need > result.steps:
+                    self.run(arm, need)
+
+    def budget(self) -> float:
+        """OPD's mean compute at --steps: the equal-compute budget."""
+        runs = [load_result(self.out, arm) for arm in self.compare_arms()["opd"]]
+        return statistics.fmean(r.compute_at(self.scale.steps) for r in runs if r is not None)
+
+    def ablation_arms(self) -> dict[str, list[Arm]]:
+        ssd, opd = self.tuned("ssd"), self.tuned("opd")
+        seeds = range(self.scale.seeds)
+        arms = {
+            f"ssd T={t:g}": [replace(ssd, temperature=t, seed=s) for s in seeds]
+            for t in SSD_TEMPERATURES
+        }
+        arms["ssd, tier-1/2 masked"] = [replace(ssd, seed=s) for s in seeds]
+        arms["ssd, tier-1/2 trained"] = [replace(ssd, mask_invalid=False, seed=s) for s in seeds]
+        arms["opd, think dropped"] = [replace(opd, seed=s) for s in seeds]
+        arms["opd, think kept"] = [replace(opd, think="keep", seed=s) for s in seeds]
+        return arms
+
+    def ablate(self) -> None:
+        for seed in range(self.scale.seeds):
+            for group in self.ablation_arms().values():
+                self.run(group[seed])
+
+
+def _nanmean(values: Iterable[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(kept) if kept else math.nan
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and the 95% Student-t interval over runs (seeds)."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = float(t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def at_compute(result: Result, budget: float) -> float:
+    """Test accuracy at `budget` tokens: linear between the evaluated steps' (compute,
+    accuracy) points; a run that never reached the budget gives NaN."""
+    points = sorted((result.compute_at(step), acc) for step, acc in result.test.items())
+    for (c0, a0), (c1, a1) in itertools.pairwise(points):
+        if c0 <= budget <= c1:
+            return a0 + (a1 - a0) * (budget - c0) / max(c1 - c0, 1e-9)
+    return math.nan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("part", choices=["tune", "compare", "ablate", "report", "all"])
+    parser.add_argument("--out", type=Path, default=Path("runs/baselines"))
+    parser.add_argument("--report-dir", type=Path, default=Path("docs/baselines"))
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="tune: these recipes only")
+    for name, value in asdict(Scale()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    scale = Scale(**{name: getattr(args, name) for name in asdict(Scale())})
+    started = time.perf_counter()
+
+    def log(text: str) -> None:
+        print(f"[{time.perf_counter() - started:7.0f} s] {text}", flush=True)
+
+    bench = Bench(args.out, scale, log)
+    if args.part in ("tune", "all"):
+        bench.tune(args.recipes.split(","))
+    if args.part in ("compare", "all"):
+        bench.compare()
+    if args.part in ("ablate", "all"):
+        bench.ablate()
+    from baselines_report import write_report
+
+    write_report(bench, args.report_dir, log)
+
+
+if __name__ == "__main__":
+    main()

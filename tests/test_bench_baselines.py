@@ -1,0 +1,120 @@
+"""bench/baselines.py's bookkeeping (no training here: the bench itself is outside CI):
+tuning picks by validation, seeds pair up, accuracy at equal compute, the report from kept
+results, and a kept result is reused rather than retrained."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import baselines
+from baselines import Arm, Bench, Result, Scale, at_compute, save_result, t_interval
+from baselines_report import write_report
+
+SCALE = Scale(steps=4, eval_every=2, n_test=20, n_val=10, seeds=2)
+
+
+def step_compute(tokens: float) -> dict[str, float]:
+    return {
+        "student_train": tokens,
+        "student_sampled": 0.0,
+        "teacher_computed": 0.0,
+        "teacher_scored": 0.0,
+        "reward": 0.25,
+        "nonzero_advantage_frac": 0.5,
+    }
+
+
+def fake_result(arm: Arm, accuracy: float, tokens_per_step: float, steps: int = 4) -> Result:
+    """A finished run whose test accuracy grows linearly to `accuracy` at --steps."""
+    test = {s: accuracy * s / SCALE.steps for s in range(0, steps + 1, 2)}
+    scores = {s: [1.0] * round(20 * a) + [0.0] * (20 - round(20 * a)) for s, a in test.items()}
+    return Result(
+        arm=arm,
+        steps=steps,
+        test={s: sum(v) / 20 for s, v in scores.items()},
+        test_scores=scores,
+        validation=accuracy,
+        compute=[step_compute(tokens_per_step) for _ in range(steps)],
+        wall_s=1.0,
+    )
+
+
+@pytest.fixture
+def bench(tmp_path: Path) -> Bench:
+    return Bench(tmp_path / "out", SCALE, log=lambda _: None)
+
+
+def keep(bench: Bench, result: Result) -> None:
+    baselines.run_dir_of(bench.out, result.arm).mkdir(parents=True, exist_ok=True)
+    save_result(bench.out, result)
+
+
+def test_validation_and_test_sets_are_disjoint(bench: Bench) -> None:
+    test = {t.prompt for t in bench.test}
+    assert len(bench.validation) == SCALE.n_val and not test & {t.prompt for t in bench.validation}
+
+
+def test_t_interval_matches_the_student_t_formula() -> None:
+    mean, low, high = t_interval([0.2, 0.3, 0.4])
+    half = 4.302652729911275 * 0.1 / math.sqrt(3)  # t(0.975, 2) x sd / sqrt(n)
+    assert mean == pytest.approx(0.3) and (low, high) == pytest.approx((0.3 - half, 0.3 + half))
+    assert math.isnan(t_interval([0.5])[1])  # one seed: no interval, never a fake one
+
+
+def test_accuracy_at_equal_compute_interpolates_and_never_extrapolates() -> None:
+    result = fake_result(Arm("rl", 1e-4), 0.4, 1000)  # 0 / 0.2 / 0.4 at 0 / 2000 / 4000
+    assert at_compute(result, 3000) == pytest.approx(0.3)
+    assert math.isnan(at_compute(result, 5000))
+
+
+def test_tuning_picks_by_validation_with_ties_to_the_lower_lr(bench: Bench) -> None:
+    for lr, acc in zip(baselines.LRS["sft"], (0.3, 0.5, 0.5), strict=True):
+        keep(bench, fake_result(Arm("sft", lr), acc, 100))
+    assert bench.tuned("sft") == Arm("sft", baselines.LRS["sft"][1])
+    with pytest.raises(SystemExit, match="tuning rl is not finished"):
+        bench.tuned("rl")
+
+
+def test_a_kept_result_is_reused_not_retrained(bench: Bench) -> None:
+    arm = Arm("opd", 1e-3)
+    kept = fake_result(arm, 0.5, 100)
+    keep(bench, kept)
+    assert bench.run(arm, curve=True) == kept  # every score there: nothing to do
+
+
+def test_the_report_pairs_seeds_and_names_what_is_missing(bench: Bench, tmp_path: Path) -> None:
+    accuracy = {"opd": 0.5, "rl": 0.2, "sft": 0.6, "ssd": 0.3}
+    tokens = {"opd": 2000.0, "rl": 1000.0, "sft": 500.0, "ssd": 1000.0}
+    for recipe in baselines.RECIPES:
+        for arm in bench.grid(recipe):  # ties: the lowest lr is picked
+            keep(bench, fake_result(arm, accuracy[recipe], tokens[recipe]))
+    arms = bench.compare_arms()
+    for recipe, group in arms.items():
+        for arm in group:
+            if recipe == "opd_rl" and arm.seed == 1:
+                continue  # not run yet
+            steps = 8 if recipe == "rl" else 4  # rl extended to OPD's compute
+            acc, per_step = accuracy.get(recipe, 0.55), tokens.get(recipe, 2000)
+            keep(bench, fake_result(arm, acc, per_step, steps))
+    report = write_report(bench, tmp_path / "report", log=lambda _: None)
+    data = json.loads((tmp_path / "report/results.json").read_text())
+    assert data["equal_compute"]["budget"] == 8000
+    rl = data["equal_compute"]["rl"]
+    assert rl["steps_at_budget"] == [8, 8] and all(v == pytest.approx(0.4) for v in rl["test"])
+    assert math.isnan(data["equal_compute"]["sft"]["test"][0])  # 2000 tokens: never reached
+    assert data["equal_steps"]["opd_rl"]["test"] == [pytest.approx(0.55)]
+    assert data["equal_steps"]["rl"]["diff_vs_opd"] == [pytest.approx(-0.3)] * 2
+    text = report.read_text()
+    compared = {arm.key for group in arms.values() for arm in group}
+    assert compared & set(data["missing"]) == {arms["opd_rl"][1].key}
+    ablated = {arm.key for group in bench.ablation_arms().values() for arm in group}
+    assert ablated - compared <= set(data["missing"])  # the ablations have not run
+    assert f"`{arms['opd_rl'][1].key}`" in text.split("Not run yet:")[1]
+    assert "Equal compute" in text and (tmp_path / "report/results.png").is_file()
