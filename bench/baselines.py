@@ -27,16 +27,21 @@ opd_teacher_tokens_computed_total; scored tokens are also kept). Prefill of the 
 rollout contexts is not counted (the HF policy's cache makes it implementation-defined).
 
 Parts (each resumable: finished runs are kept in --out as results, a killed LocalRun
-continues from its newest checkpoint, SSD's sampling from its file):
-    tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs)
-    compare  the tuned settings at seeds 1..n-1, opd_rl at every seed, then each recipe
-             extended until its compute reaches OPD's (equal compute)
+continues from its newest checkpoint, SSD's sampling from its file; each fits in a
+session of 3 hours on 2 cores: tune about 70 minutes, compare about 95, extend about 40,
+ablate about 60):
+    tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs),
+             scored on the test set at the end only
+    compare  the tuned settings at every seed and opd_rl, scored every --eval-every steps
+             (equal steps; the accuracy-vs-compute curves)
+    extend   each non-OPD run trained on until its compute reaches OPD's (equal compute)
     ablate   SSD temperature (0.8, 1.1, 1.4), SSD without tier-1/2 masking, OPD with
-             think kept in later contexts; every seed
+             think kept in later contexts; every seed, scored at the end
     report   tables, paired differences against OPD, the plot (needs no training)
 
     .venv/bin/python bench/baselines.py tune [--out runs/baselines]
     .venv/bin/python bench/baselines.py compare
+    .venv/bin/python bench/baselines.py extend
     .venv/bin/python bench/baselines.py ablate
     .venv/bin/python bench/baselines.py report [--report-dir docs/baselines]
 """
@@ -420,7 +425,8 @@ class Bench:
         reused, a shorter finished run is extended, a missing score is filled in."""
         steps = steps or self.scale.steps
         every = self.scale.eval_every
-        wanted = eval_steps(steps, every) if curve else [steps]
+        base = min(steps, self.scale.steps)  # past --steps (equal compute): the end only
+        wanted = sorted({*(eval_steps(base, every) if curve else []), base, steps})
         found = load_result(self.out, arm)
         if found is not None and found.steps >= steps:
             if all(s in found.test_scores for s in wanted):
@@ -430,12 +436,7 @@ class Bench:
         run_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         self.log(f"{arm.key}: training {steps} steps")
-        if arm.recipe in ("sft", "ssd"):
-            samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
-            train_imitation(arm, steps, run_dir, self.student, every, samples)
-        else:
-            train_local_run(arm, steps, run_dir, self.student, self.teacher)
-        compute = Compute(run_dir / "compute.jsonl").rows(steps)
+        compute = self.train(arm, steps)
         test_scores = dict(found.test_scores) if found else {0: self.start_scores()}
         for step in sorted({*wanted, steps}):
             if step not in test_scores:
@@ -461,6 +462,18 @@ class Bench:
             f"{wall:.0f} s"
         )
         return result
+
+    def train(self, arm: Arm, steps: int) -> list[dict[str, float]]:
+        """Train the arm to `steps` (nothing to do where it got there before); its per-step
+        token counts."""
+        run_dir = run_dir_of(self.out, arm)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if arm.recipe in ("sft", "ssd"):
+            samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
+            train_imitation(arm, steps, run_dir, self.student, self.scale.eval_every, samples)
+        else:
+            train_local_run(arm, steps, run_dir, self.student, self.teacher)
+        return Compute(run_dir / "compute.jsonl").rows(steps)
 
     def _trim(self, run_dir: Path, steps: int) -> None:
         """Keep the checkpoints of the evaluation steps (a score left out in tuning is
@@ -503,24 +516,35 @@ class Bench:
         return arms
 
     def compare(self) -> None:
+        """Equal steps: the tuned settings at every seed, scored along the way."""
         arms = self.compare_arms()
         for seed in range(self.scale.seeds):  # seed-major: each seed's arms pair up early
             for group in arms.values():
                 self.run(group[seed])
-        budget = self.budget()
+
+    def extend(self) -> None:
+        """Equal compute: each non-OPD run trained on until its compute reaches OPD's mean
+        at --steps (at most MAX_EXTEND x --steps), scored where it gets there."""
+        arms = self.compare_arms()
+        budget, cap = self.budget(), MAX_EXTEND * self.scale.steps
         for recipe, group in arms.items():
             if recipe == "opd":
                 continue
             for arm in group:
                 result = self.run(arm)
-                per_step = result.compute_at(result.steps) / result.steps
-                need = min(math.ceil(budget / per_step), MAX_EXTEND * self.scale.steps)
-                if need > result.steps:
-                    self.run(arm, need)
+                steps, rows = result.steps, result.compute
+                while sum(map(total, rows)) < budget and steps < cap:  # trained, not scored
+                    per_step = sum(map(total, rows)) / steps
+                    steps = min(max(steps + 1, math.ceil(budget / per_step)), cap)
+                    self.log(f"{arm.key}: {sum(map(total, rows)):,.0f} tokens of {budget:,.0f}")
+                    rows = self.train(arm, steps)
+                self.run(arm, steps)  # scored where it got there
 
     def budget(self) -> float:
         """OPD's mean compute at --steps: the equal-compute budget."""
         runs = [load_result(self.out, arm) for arm in self.compare_arms()["opd"]]
+        if any(r is None for r in runs):
+            raise SystemExit("OPD's runs at every seed come first: run the compare part")
         return statistics.fmean(r.compute_at(self.scale.steps) for r in runs if r is not None)
 
     def ablation_arms(self) -> dict[str, list[Arm]]:
@@ -539,7 +563,7 @@ class Bench:
     def ablate(self) -> None:
         for seed in range(self.scale.seeds):
             for group in self.ablation_arms().values():
-                self.run(group[seed])
+                self.run(group[seed], curve=False)
 
 
 def _nanmean(values: Iterable[float]) -> float:
@@ -575,7 +599,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("part", choices=["tune", "compare", "ablate", "report", "all"])
+    parser.add_argument("part", choices=["tune", "compare", "extend", "ablate", "report", "all"])
     parser.add_argument("--out", type=Path, default=Path("runs/baselines"))
     parser.add_argument("--report-dir", type=Path, default=Path("docs/baselines"))
     parser.add_argument("--recipes", default=",".join(RECIPES), help="tune: these recipes only")
@@ -598,6 +622,8 @@ def main() -> None:
         bench.tune(args.recipes.split(","))
     if args.part in ("compare", "all"):
         bench.compare()
+    if args.part in ("extend", "all"):
+        bench.extend()
     if args.part in ("ablate", "all"):
         bench.ablate()
     from baselines_report import write_report

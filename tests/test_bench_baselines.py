@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,50 @@ def test_the_report_pairs_seeds_and_names_what_is_missing(bench: Bench, tmp_path
     assert ablated - compared <= set(data["missing"])  # the ablations have not run
     assert f"`{arms['opd_rl'][1].key}`" in text.split("Not run yet:")[1]
     assert "Equal compute" in text and (tmp_path / "report/results.png").is_file()
+
+
+def test_extend_trains_each_baseline_on_until_it_reaches_opds_compute(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench's run/extend/trim logic for real; only training and scoring are stand-ins
+    (a run's step s costs 1000 - 50 s tokens, and scores s/20 on every set)."""
+    trained: list[tuple[str, int]] = []
+
+    def train(arm: Arm, steps: int, run_dir: Path, *_: object) -> None:
+        trained.append((arm.key, steps))
+        compute = baselines.Compute(run_dir / "compute.jsonl")
+        for step in range(steps):
+            compute.add(step, step_compute(1000.0 - 50 * step))
+        for step in {*baselines.eval_steps(steps, SCALE.eval_every), steps}:
+            baselines.ckpt_dir(run_dir, step).mkdir(parents=True, exist_ok=True)
+
+    async def accuracy(model_dir: Path, tasks: list[object]) -> list[float]:
+        step = int(model_dir.name.split("_")[1]) if model_dir.name.startswith("step_") else 0
+        return [1.0] * step + [0.0] * (len(tasks) - step)
+
+    monkeypatch.setattr(
+        baselines, "train_imitation", lambda arm, steps, run_dir, *a: train(arm, steps, run_dir)
+    )
+    monkeypatch.setattr(baselines, "train_local_run", train)
+    monkeypatch.setattr(baselines, "_accuracy", accuracy)
+    for recipe in baselines.RECIPES:
+        for arm in bench.grid(recipe):
+            kept = fake_result(arm, 0.2, 1000.0)
+            kept.test_scores = {0: [0.0] * 20, 4: [1.0] * 4 + [0.0] * 16}  # tuning: the end only
+            keep(bench, kept)
+    opd = bench.tuned("opd")
+    for seed in range(SCALE.seeds):  # OPD costs 4 x 2000 tokens: the budget is 8000
+        keep(bench, fake_result(replace(opd, seed=seed), 0.5, 2000.0))
+    bench.extend()
+    sft = bench.run(replace(bench.tuned("sft"), seed=1))
+    # 1000 + 950 + ...: 8000 tokens at step 11 (8250), after tries at 9 (7200) and 10 (7750)
+    assert sft.compute_at(sft.steps) >= 8000 > sft.compute_at(sft.steps - 1)
+    assert sft.steps == 11 and set(sft.test) == {0, 2, 4, 11}  # the curve, then the end only
+    assert sft.test[sft.steps] == pytest.approx(sft.steps / 20)
+    kept_ckpts = sorted(
+        p.name for p in (baselines.run_dir_of(bench.out, sft.arm) / "checkpoints").iterdir()
+    )
+    assert kept_ckpts[-1] == f"step_{sft.steps:05d}"
+    # the seed-0 tuning run got its missing curve point without being retrained past its end
+    seed0 = baselines.load_result(bench.out, bench.tuned("sft"))
+    assert seed0 is not None and 2 in seed0.test_scores
