@@ -77,6 +77,9 @@ LRS = {
     "sft": (3e-4, 1e-3, 3e-3),
     "ssd": (1e-4, 3e-4, 1e-3),
 }
+LADDER = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+"""Learning rates a grid extends along when its best sits at an edge."""
+MAX_EDGE = 2
 GROUPS = (4, 8)
 """RL's group sizes (8: slime's and GRPO's usual --n-samples-per-prompt)."""
 SSD_SAMPLING = {"temperature": 1.1, "top_k": 10, "top_p": 0.95}
@@ -411,11 +414,13 @@ class Bench:
         else:
             path.write_text(json.dumps(wanted))
 
-    def start_scores(self) -> list[float]:
-        path = self.out / "start.json"
+    def start_scores(self, split: str = "test") -> list[float]:
+        """The untrained student's scores on the test (or validation) set."""
+        path = self.out / ("start.json" if split == "test" else f"start-{split}.json")
         if path.is_file():
             return list(json.loads(path.read_text()))
-        scores = asyncio.run(_accuracy(self.student, self.test))
+        tasks = self.test if split == "test" else self.validation
+        scores = asyncio.run(_accuracy(self.student, tasks))
         path.write_text(json.dumps(scores))
         return scores
 
@@ -485,17 +490,37 @@ class Bench:
 
     # -- parts ----------------------------------------------------------------------------
 
-    def grid(self, recipe: str) -> list[Arm]:
+    def _arms(self, recipe: str, lrs: Iterable[float]) -> list[Arm]:
         if recipe == "rl":
-            return [Arm("rl", lr, group=g) for lr in LRS["rl"] for g in GROUPS]
+            return [Arm("rl", lr, group=g) for lr in lrs for g in GROUPS]
         if recipe == "ssd":
-            return [Arm("ssd", lr, temperature=SSD_SAMPLING["temperature"]) for lr in LRS["ssd"]]
-        return [Arm(recipe, lr) for lr in LRS[recipe]]
+            return [Arm("ssd", lr, temperature=SSD_SAMPLING["temperature"]) for lr in lrs]
+        return [Arm(recipe, lr) for lr in lrs]
+
+    def grid(self, recipe: str) -> list[Arm]:
+        """The recipe's tuning runs: its 3 lrs, and where the best of them (by validation)
+        sits at the grid's edge, the next lr of LADDER beyond it (at most MAX_EDGE times):
+        a best setting at the edge says the optimum may lie outside."""
+        lrs = sorted(LRS[recipe])
+        while True:
+            arms = self._arms(recipe, lrs)
+            results = [load_result(self.out, arm) for arm in arms]
+            if any(r is None for r in results) or len(lrs) == len(LRS[recipe]) + MAX_EDGE:
+                return arms
+            best = max((r for r in results if r), key=lambda r: (r.validation, -r.arm.lr))
+            rung = LADDER.index(best.arm.lr)
+            if best.arm.lr == lrs[0] and rung > 0:
+                lrs.insert(0, LADDER[rung - 1])
+            elif best.arm.lr == lrs[-1] and rung + 1 < len(LADDER):
+                lrs.append(LADDER[rung + 1])
+            else:
+                return arms
 
     def tune(self, recipes: Iterable[str] = RECIPES) -> None:
         for recipe in recipes:
-            for arm in self.grid(recipe):
-                self.run(arm, curve=False)
+            while missing := [a for a in self.grid(recipe) if not load_result(self.out, a)]:
+                for arm in missing:
+                    self.run(arm, curve=False)
 
     def tuned(self, recipe: str) -> Arm:
         """The recipe's setting with the best validation accuracy at seed 0 (ties: the

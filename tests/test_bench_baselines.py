@@ -49,7 +49,19 @@ def fake_result(arm: Arm, accuracy: float, tokens_per_step: float, steps: int = 
 
 @pytest.fixture
 def bench(tmp_path: Path) -> Bench:
-    return Bench(tmp_path / "out", SCALE, log=lambda _: None)
+    bench = Bench(tmp_path / "out", SCALE, log=lambda _: None)
+    (bench.out / "start.json").write_text(json.dumps([0.0] * SCALE.n_test))
+    (bench.out / "start-validation.json").write_text(json.dumps([0.0] * SCALE.n_val))
+    return bench
+
+
+def keep_grid(bench: Bench, recipe: str, accuracy: float, tokens: float) -> None:
+    """The recipe's tuning runs, its middle lr best by validation (no edge to extend)."""
+    middle = sorted(baselines.LRS[recipe])[1]
+    for arm in bench.grid(recipe):
+        result = fake_result(arm, accuracy, tokens)
+        result.validation += 0.01 * (arm.lr == middle)
+        keep(bench, result)
 
 
 def keep(bench: Bench, result: Result) -> None:
@@ -83,6 +95,23 @@ def test_tuning_picks_by_validation_with_ties_to_the_lower_lr(bench: Bench) -> N
         bench.tuned("rl")
 
 
+def test_a_best_setting_at_the_grids_edge_extends_the_grid_beyond_it(bench: Bench) -> None:
+    for arm in bench.grid("rl"):  # the lowest lr (1e-4) is best
+        keep(bench, fake_result(arm, 0.3 if arm.lr == 1e-4 else 0.1, 100))
+    extended = bench.grid("rl")
+    assert [a.lr for a in extended[:2]] == [3e-5, 3e-5] and len(extended) == 8
+    with pytest.raises(SystemExit, match="not finished"):
+        bench.tuned("rl")
+    for arm in extended[:2]:  # 3e-5 is worse: the optimum is inside, the grid stops
+        keep(bench, fake_result(arm, 0.2, 100))
+    assert bench.grid("rl") == extended and bench.tuned("rl") == Arm("rl", 1e-4, group=4)
+    for _ in range(3):  # SFT: the lowest lr best, again and again: two more at most
+        for arm in bench.grid("sft"):
+            if baselines.load_result(bench.out, arm) is None:
+                keep(bench, fake_result(arm, 0.5 - arm.lr, 100))
+    assert [a.lr for a in bench.grid("sft")] == [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
+
+
 def test_a_kept_result_is_reused_not_retrained(bench: Bench) -> None:
     arm = Arm("opd", 1e-3)
     kept = fake_result(arm, 0.5, 100)
@@ -94,8 +123,7 @@ def test_the_report_pairs_seeds_and_names_what_is_missing(bench: Bench, tmp_path
     accuracy = {"opd": 0.5, "rl": 0.2, "sft": 0.6, "ssd": 0.3}
     tokens = {"opd": 2000.0, "rl": 1000.0, "sft": 500.0, "ssd": 1000.0}
     for recipe in baselines.RECIPES:
-        for arm in bench.grid(recipe):  # ties: the lowest lr is picked
-            keep(bench, fake_result(arm, accuracy[recipe], tokens[recipe]))
+        keep_grid(bench, recipe, accuracy[recipe], tokens[recipe])
     arms = bench.compare_arms()
     for recipe, group in arms.items():
         for arm in group:
@@ -103,7 +131,10 @@ def test_the_report_pairs_seeds_and_names_what_is_missing(bench: Bench, tmp_path
                 continue  # not run yet
             steps = 8 if recipe == "rl" else 4  # rl extended to OPD's compute
             acc, per_step = accuracy.get(recipe, 0.55), tokens.get(recipe, 2000)
-            keep(bench, fake_result(arm, acc, per_step, steps))
+            result = fake_result(arm, acc, per_step, steps)
+            if tuning := baselines.load_result(bench.out, arm):  # seed 0: the tuning run
+                result.validation = tuning.validation
+            keep(bench, result)
     report = write_report(bench, tmp_path / "report", log=lambda _: None)
     data = json.loads((tmp_path / "report/results.json").read_text())
     assert data["equal_compute"]["budget"] == 8000
@@ -146,9 +177,11 @@ def test_extend_trains_each_baseline_on_until_it_reaches_opds_compute(
     monkeypatch.setattr(baselines, "train_local_run", train)
     monkeypatch.setattr(baselines, "_accuracy", accuracy)
     for recipe in baselines.RECIPES:
-        for arm in bench.grid(recipe):
-            kept = fake_result(arm, 0.2, 1000.0)
-            kept.test_scores = {0: [0.0] * 20, 4: [1.0] * 4 + [0.0] * 16}  # tuning: the end only
+        keep_grid(bench, recipe, 0.2, 1000.0)
+        for arm in bench.grid(recipe):  # tuning scored the end only
+            kept = baselines.load_result(bench.out, arm)
+            assert kept is not None
+            kept.test_scores = {0: [0.0] * 20, 4: [1.0] * 4 + [0.0] * 16}
             keep(bench, kept)
     opd = bench.tuned("opd")
     for seed in range(SCALE.seeds):  # OPD costs 4 x 2000 tokens: the budget is 8000
