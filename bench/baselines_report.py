@@ -30,6 +30,7 @@ def pct(value: float) -> str:
 
 
 def interval(values: list[float]) -> str:
+    values = [v for v in values if not math.isnan(v)]
     if not values:
         return "n/a"
     mean, low, high = t_interval(values)
@@ -190,10 +191,15 @@ class Report:
             f"{self.bench.scale.steps * 4} steps counts as n/a.",
             "",
         ]
-        opd = {r.arm.seed: at_compute(r, budget) for r in groups["opd"]}
+        # OPD defines the budget: its value is its accuracy at --steps (a seed whose run
+        # cost less than the mean never gets to the mean)
+        opd = {r.arm.seed: r.test[self.steps] for r in groups["opd"]}
         rows, data = [], {"budget": budget}
         for recipe, results in groups.items():
-            values = [at_compute(r, budget) for r in results]
+            if recipe == "opd":
+                values = [r.test[self.steps] for r in results]
+            else:
+                values = [at_compute(r, budget) for r in results]
             kept = [v for v in values if not math.isnan(v)]
             diffs = [
                 v - opd[r.arm.seed]
@@ -230,7 +236,8 @@ class Report:
         ]
         rows, data = [], {}
         blocks = [
-            [k for k in arms if k.startswith("ssd T=")],
+            # the report's spec (T=1.1) first: the others are compared with it
+            sorted((k for k in arms if k.startswith("ssd T=")), key=lambda k: k != "ssd T=1.1"),
             ["ssd, tier-1/2 masked", "ssd, tier-1/2 trained"],
             ["opd, think dropped", "opd, think kept"],
         ]
@@ -306,9 +313,13 @@ class Report:
             steps = sorted(set.intersection(*(set(r.test) for r in results)))
             x = [statistics.fmean(r.compute_at(s) for r in results) / 1e6 for s in steps]
             y = [100 * statistics.fmean(r.test[s] for r in results) for s in steps]
-            axes.plot(x, y, marker="o", label=f"{NAMES[recipe]} ({len(results)} seeds)")
+            label = f"{NAMES[recipe]} ({len(results)} seeds)"
+            (line,) = axes.plot(x, y, marker="o", label=label)
+            for r in results:  # each seed, its equal-compute extension included
+                points = sorted((r.compute_at(s) / 1e6, 100 * a) for s, a in r.test.items())
+                axes.plot(*zip(*points, strict=True), color=line.get_color(), alpha=0.25, lw=1)
         axes.set_xlabel("compute (M tokens: student trained + sampled, teacher computed)")
-        axes.set_ylabel("held-out test accuracy (%)")
+        axes.set_ylabel("held-out test accuracy (%): mean, and each seed")
         axes.grid(alpha=0.3)
         axes.legend()
         figure.tight_layout()
