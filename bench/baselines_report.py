@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from baselines import RECIPES, Arm, Result, at_compute, load_result, t_interval
+from baselines import RECIPES, Arm, Result, _nanmean, at_compute, load_result, t_interval
 
 if TYPE_CHECKING:
     from baselines import Bench
@@ -94,14 +94,13 @@ class Report:
                 if found is None:
                     rows.append([NAMES[recipe], arm.setting, "not run", "", "", "", ""])
                     continue
-                first = found.compute[0]
                 rows.append(
                     [
                         NAMES[recipe],
                         arm.setting + (" **(chosen)**" if arm == chosen else ""),
                         pct(found.validation),
                         pct(found.test[self.steps]),
-                        pct(first["reward"]),
+                        pct(found.notes.get("reward_mean", math.nan)),
                         pct(found.notes.get("nonzero_advantage_frac", math.nan)),
                         f"{found.wall_s:.0f}",
                     ]
@@ -111,7 +110,7 @@ class Report:
                         "arm": arm.key,
                         "validation": found.validation,
                         "test": found.test[self.steps],
-                        "first_step_reward": first["reward"],
+                        "reward_mean": found.notes.get("reward_mean"),
                         "nonzero_advantage_frac": found.notes.get("nonzero_advantage_frac"),
                         "chosen": arm == chosen,
                     }
@@ -122,7 +121,7 @@ class Report:
                 "setting",
                 "validation %",
                 f"test % at step {self.steps}",
-                "reward of step 1's rollouts %",
+                "mean reward of its rollouts %",
                 "trajectories with a non-zero advantage %",
                 "wall s",
             ],
@@ -263,39 +262,60 @@ class Report:
         self.table(["arm", "test %", "per seed", "minus the block's first (points)"], rows)
         self.data["ablations"] = data
 
-    def rl_diagnostics(self) -> None:
-        results = [r for r in (self.result(a) for a in self.bench.grid("rl")) if r is not None]
-        if not results:
+    def rl_diagnostics(self, groups: dict[str, list[Result]]) -> None:
+        """Did tuned RL learn, stay put or collapse, and why: the reward its rollouts
+        earn and the share of trajectories whose group gives them an advantage."""
+        from slime_ext.local.evaluate import paired_difference
+
+        tuned = self.tuned("rl")
+        runs = groups.get("rl") or [r for r in [self.result(tuned)] if r] if tuned else []
+        if not runs:
             return
-        best = max(r.test[self.steps] for r in results)
-        start = statistics.fmean(r.compute[0]["reward"] for r in results)
-        frac = statistics.fmean(
-            r.compute[0]["nonzero_advantage_frac"]
-            for r in results
-            if not math.isnan(r.compute[0]["nonzero_advantage_frac"])
+        start = self.bench.start_scores()
+        diffs = [paired_difference(start, r.test_scores[self.steps]) for r in runs]
+        rewards = [r.notes["reward_mean"] for r in runs]
+        fracs = [r.notes["nonzero_advantage_frac"] for r in runs]
+        collapsed = [
+            r.arm.setting
+            for r in (self.result(a) for a in self.bench.grid("rl"))
+            if r and r.test[self.steps] < 0.5 * statistics.fmean(start)
+        ]
+        per_seed = "; ".join(
+            f"seed {r.arm.seed}: {100 * d[0]:+.1f} [{100 * d[1]:+.1f}, {100 * d[2]:+.1f}]"
+            for r, d in zip(runs, diffs, strict=True)
         )
-        start_test = results[0].test[0]
-        verdict = (
-            "RL learns at its tuned setting (no collapse)."
-            if best > start_test
-            else "Every RL setting ends at or below the start: see the reward and the share "
-            "of trajectories with a non-zero advantage."
-        )
+        if all(d[1] > 0 for d in diffs):
+            verdict = "RL at its tuned setting learns: above the start at every seed."
+        elif all(d[2] < 0 for d in diffs):
+            verdict = "RL at its tuned setting ends below the start at every seed."
+        else:
+            verdict = (
+                "RL at its tuned setting does not collapse, and neither does it measurably "
+                "learn in these steps: its change from the start is within the noise."
+            )
         self.lines += [
-            "## Outcome RL: why it did or did not learn",
+            "## Outcome RL: did it learn, and why not",
             "",
-            f"The student solves {pct(start)}% of its first step's training rollouts "
-            f"(sampled at T=1) and {pct(start_test)}% of the test set greedily. At the first "
-            f"step {pct(frac)}% of the trajectories carry a non-zero group-normalized "
-            f"advantage (a group whose samples all fail or all pass gives none). Best RL test "
-            f"accuracy: {pct(best)}%. {verdict}",
+            f"Tuned RL ({tuned.setting if tuned else ''}), test accuracy minus the untrained "
+            f"student's on the same problems, points with a 95% interval: {per_seed}. "
+            f"{verdict} Its rollouts (T=1) earn a mean reward of "
+            f"{pct(statistics.fmean(rewards))}%, so most groups of "
+            f"{runs[0].arm.group} samples fail together and give no advantage: "
+            f"{pct(_nanmean(fracs))}% of its trajectories carry a non-zero group-normalized "
+            "advantage; the gradient comes from a few trajectories per step. "
+            + (
+                f"Settings that collapsed (test below half the start): {', '.join(collapsed)}."
+                if collapsed
+                else "No setting collapsed."
+            ),
             "",
         ]
         self.data["rl"] = {
-            "first_step_reward": start,
-            "first_step_nonzero_advantage_frac": frac,
-            "best_test": best,
-            "start_test": start_test,
+            "tuned": tuned.setting if tuned else None,
+            "diff_vs_start": diffs,
+            "reward_mean": rewards,
+            "nonzero_advantage_frac": fracs,
+            "collapsed": collapsed,
         }
 
     def plot(self, groups: dict[str, list[Result]], path: Path) -> bool:
@@ -346,7 +366,7 @@ def write_report(bench: Bench, report_dir: Path, log: Callable[[str], None] = pr
         report.equal_steps(groups)
         report.equal_compute(groups)
     report.ablations()
-    report.rl_diagnostics()
+    report.rl_diagnostics(groups)
     if report.plot(groups, report_dir / "results.png"):
         report.lines += ["![held-out accuracy against compute](results.png)", ""]
     runs = sorted((bench.out / "runs").glob("*/result.json"))

@@ -44,6 +44,7 @@ def fake_result(arm: Arm, accuracy: float, tokens_per_step: float, steps: int = 
         validation=accuracy,
         compute=[step_compute(tokens_per_step) for _ in range(steps)],
         wall_s=1.0,
+        notes={"reward_mean": 0.25, "nonzero_advantage_frac": 0.5},
     )
 
 
@@ -149,6 +150,7 @@ def test_the_report_pairs_seeds_and_names_what_is_missing(bench: Bench, tmp_path
     ablated = {arm.key for group in bench.ablation_arms().values() for arm in group}
     assert ablated - compared <= set(data["missing"])  # the ablations have not run
     assert f"`{arms['opd_rl'][1].key}`" in text.split("Not run yet:")[1]
+    assert "RL at its tuned setting learns" in text  # 0% at the start, 20% at every seed
     assert "Equal compute" in text and (tmp_path / "report/results.png").is_file()
 
 
