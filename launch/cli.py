@@ -73,6 +73,13 @@ def _refuse(header: str, problems: list[str]) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def _failed(header: str, reason: str) -> typer.Exit:
+    """A run that started and could not go on: what stopped it; exit code 1."""
+    err_console.print(f"[red]{header}[/red]", highlight=False, soft_wrap=True)
+    err_console.print(reason, highlight=False, markup=False, soft_wrap=True)
+    return typer.Exit(code=1)
+
+
 @config_app.command("validate")
 def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
     """Check a config for the command it is for: `opd launch` when parallel.gpus_per_node >
@@ -161,16 +168,20 @@ def demo(
     """The one-machine OPD demo: evaluate the bundled student, run per-turn OPD against the
     bundled teacher (served on 127.0.0.1) for a few minutes, evaluate again. A line per
     step, checkpoint and evaluation."""
+    from slime_ext.local.loop import RolloutsFailedError
     from slime_ext.local.opd_demo import run_opd_demo
 
-    run_opd_demo(
-        out,
-        steps=steps,
-        n_heldout=n_heldout,
-        console=console,
-        eval_every_steps=eval_every,
-        seed=seed,
-    )
+    try:
+        run_opd_demo(
+            out,
+            steps=steps,
+            n_heldout=n_heldout,
+            console=console,
+            eval_every_steps=eval_every,
+            seed=seed,
+        )
+    except RolloutsFailedError as err:
+        raise _failed("the demo stopped", str(err)) from None
 
 
 @app.command("train")
@@ -214,6 +225,7 @@ def train(
     reward, tokens/s, ETA) and per checkpoint; with `-s logging.eval_every_steps=N`, greedy
     held-out accuracy every N steps."""
     from slime_ext.local.checkpoints import ResumeOptions, RunDirError
+    from slime_ext.local.loop import RolloutsFailedError
     from slime_ext.local.run_config import UnsupportedLocalJob, run_local_job
 
     if fresh and resume_from is not None:
@@ -230,6 +242,8 @@ def train(
     except RunDirError as err:
         header, *problems = str(err).splitlines()
         raise _refuse(header, problems) from None
+    except RolloutsFailedError as err:
+        raise _failed(f"training stopped: {path}", str(err)) from None
 
 
 @app.command("launch")

@@ -160,3 +160,79 @@ def test_each_recipe_shows_its_signal(recipe: str, signal: str) -> None:
 def test_a_step_that_trained_nothing_says_so() -> None:
     fields = step_fields("sft", {"train/trajectories_trained": 0.0, "rollout/reward": 0.0})
     assert fields[0] == "loss - (nothing trained)"
+
+
+@pytest.mark.timeout(300)
+def test_a_run_whose_sandboxes_cannot_start_stops_at_its_first_step(
+    tmp_path: Path, factory_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No python tool starts (the fault injected where the worker starts): every rollout
+    ends in sandbox_error. Before, the run went on training nothing, saving checkpoints,
+    and exited 0 (bench/baselines.py met it as a worker launched through `..`)."""
+    from typer.testing import CliRunner
+
+    from launch.cli import app
+    from sandbox.base import SandboxStartError
+    from sandbox.python_worker import PythonWorker
+
+    async def cannot_start(self: PythonWorker) -> None:
+        raise SandboxStartError("the python worker exited while starting (exit code 127)")
+
+    monkeypatch.setattr(PythonWorker, "start", cannot_start)
+    run_dir = tmp_path / "run"
+    config = {
+        **TINY,
+        "model": {"student": str(factory_dir), "seed": 0},
+        "algorithm": {"recipe": "rl", "steps": 3, "lr": 1e-3},
+        "logging": {"run_dir": str(run_dir), "wandb_mode": "disabled", "save_every_steps": 1},
+    }
+    config_path = tmp_path / "job.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["train", str(config_path)])
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    trajectories = run_dir / "trajectories" / "step_00000.jsonl"
+    assert "step 1: all 4 rollouts failed (sandbox_error: " in output, output
+    assert "exit code 127" in output and f"(trajectories: {trajectories})" in output
+    rows = [json.loads(line) for line in trajectories.read_text().splitlines()]
+    assert [row["status"] for row in rows] == ["sandbox_error"] * 4
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def test_a_peer_that_dies_mid_run_stops_it_after_three_steps_of_failed_rollouts(
+    tmp_path: Path, factory_dir: Path
+) -> None:
+    """After a step that trained, a step whose rollouts all failed on a peer is survived
+    (a blip); the third such step in a row stops the run. A step that keeps one rollout
+    resets the count."""
+    from rollout.trajectory import Task, Trajectory, TrajectoryStatus
+    from slime_ext.job.config import config_from_dict
+    from slime_ext.local.loop import LocalRun, RolloutsFailedError
+
+    job = config_from_dict(
+        {**TINY, "logging": {"run_dir": str(tmp_path), "wandb_mode": "disabled"}}
+    )
+    run = LocalRun(job, factory_dir, tmp_path / "run", Console(file=StringIO()))
+    task = Task(task_id="t", kind="tir", prompt="1+1", answer="2")
+
+    def step(*statuses: TrajectoryStatus) -> None:
+        trajectories = [
+            Trajectory(
+                trajectory_id=f"t{i}", task=task, trunk_ids=[1], status=s, status_reason="peer gone"
+            )
+            for i, s in enumerate(statuses)
+        ]
+        run._check_infrastructure(trajectories, tmp_path / "step.jsonl")
+
+    ok, gone = TrajectoryStatus.COMPLETED, TrajectoryStatus.TEACHER_ERROR
+    step(ok, gone)
+    step(gone, gone)
+    step(gone, TrajectoryStatus.SANDBOX_ERROR)
+    step(ok, gone)  # one rollout got through: the count starts over
+    step(gone, gone)
+    step(gone, gone)
+    with pytest.raises(
+        RolloutsFailedError,
+        match=r"all 2 rollouts failed \(teacher_error: peer gone\), and in the 2 steps before",
+    ):
+        step(gone, gone)

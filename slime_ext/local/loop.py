@@ -34,7 +34,7 @@ from rollout.hints import HintedTeacherContext
 from rollout.policy import HFPolicy
 from rollout.reminders import ReminderTeacherContext
 from rollout.runner import Runner, TeacherContext, rollout_metrics
-from rollout.trajectory import Task, Trajectory, write_jsonl
+from rollout.trajectory import Task, Trajectory, TrajectoryStatus, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
 from slime_ext.job.assembly import (
     harness_for,
@@ -54,6 +54,15 @@ from teacher_server.client import TeacherClient
 from teacher_server.snapshot_sync import refresh_steps
 
 StepCallback = Callable[[int, dict[str, float]], None]
+
+
+INFRASTRUCTURE_FAILURES = (TrajectoryStatus.SANDBOX_ERROR, TrajectoryStatus.TEACHER_ERROR)
+INFRA_FAILED_STEPS = 3
+"""Steps in a row whose every rollout failed on a sandbox or the teacher: the run stops."""
+
+
+class RolloutsFailedError(RuntimeError):
+    """Every rollout of a step failed on infrastructure (LocalRun._check_infrastructure)."""
 
 
 class TeacherStartError(RuntimeError):
@@ -193,6 +202,8 @@ class LocalRun:
             ),
         )
         self.step = 0
+        self._infra_failed_steps = 0  # steps in a row whose every rollout failed on a peer
+        self._stepped = False  # a step of this process got rollouts to train on
         self.hints: HintedTeacherContext | None = None
         self.reminders: ReminderTeacherContext | None = None
         self.ema: dict[str, torch.Tensor] | None = None
@@ -390,6 +401,7 @@ class LocalRun:
         path = self.run_dir / "trajectories" / f"step_{self.step:05d}.jsonl"
         path.unlink(missing_ok=True)
         write_jsonl(path, trajectories)
+        self._check_infrastructure(trajectories, path)
         trained = self._trainable(trajectories, recipe)
         train_started = time.perf_counter()
         metrics: dict[str, float] = {}
@@ -490,6 +502,27 @@ class LocalRun:
         if self.trainer.self_teacher is not None:
             snapshot = AutoModelForCausalLM.from_pretrained(directory)
             self.trainer.self_teacher.model.load_state_dict(snapshot.state_dict())
+
+    def _check_infrastructure(self, trajectories: Sequence[Trajectory], path: Path) -> None:
+        """Stop the run when every rollout of a step failed on its sandbox or its teacher:
+        at the first step of this process (a set-up that cannot work: a run of steps that
+        train nothing would look like a run), or at INFRA_FAILED_STEPS steps in a row (a
+        peer that died and stayed dead). A step that loses some rollouts trains on the rest."""
+        failed = [t for t in trajectories if t.status in INFRASTRUCTURE_FAILURES]
+        if not trajectories or len(failed) < len(trajectories):
+            self._infra_failed_steps, self._stepped = 0, True
+            return
+        self._infra_failed_steps += 1
+        if self._stepped and self._infra_failed_steps < INFRA_FAILED_STEPS:
+            return
+        first = failed[0]
+        raise RolloutsFailedError(
+            f"step {self.step + 1}: all {len(trajectories)} rollouts failed "
+            f"({first.status.value}: {first.status_reason.strip()[:500]})"
+            + (f", and in the {self._infra_failed_steps - 1} steps before" if self._stepped else "")
+            + f"; nothing was trained on them (trajectories: {path}). Fix the cause and run "
+            f"the same command again: it resumes from the last checkpoint"
+        )
 
     def _trainable(self, trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:
         """Trajectories that carry a training signal, by the rule slime's samples follow
