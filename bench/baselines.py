@@ -440,7 +440,8 @@ class Bench:
         run_dir = run_dir_of(self.out, arm)
         run_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        self.log(f"{arm.key}: training {steps} steps")
+        if found is None or found.steps < steps:
+            self.log(f"{arm.key}: training {steps} steps")
         compute = self.train(arm, steps)
         test_scores = dict(found.test_scores) if found else {0: self.start_scores()}
         for step in sorted({*wanted, steps}):
