@@ -66,18 +66,20 @@ def _load_or_exit(path: Path, overrides: list[str] | None) -> JobConfig:
         raise typer.Exit(code=2) from None
 
 
+def _exit(header: str, lines: list[str], code: int) -> typer.Exit:
+    err_console.print(f"[red]{header}[/red]", highlight=False, soft_wrap=True)
+    err_console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
+    return typer.Exit(code=code)
+
+
 def _refuse(header: str, problems: list[str]) -> typer.Exit:
     """Print every problem (each says its fix) under `header`; exit code 2."""
-    err_console.print(f"[red]{header}[/red]", highlight=False, soft_wrap=True)
-    err_console.print("\n".join(problems), highlight=False, markup=False, soft_wrap=True)
-    return typer.Exit(code=2)
+    return _exit(header, problems, 2)
 
 
 def _failed(header: str, reason: str) -> typer.Exit:
     """A run that started and could not go on: what stopped it; exit code 1."""
-    err_console.print(f"[red]{header}[/red]", highlight=False, soft_wrap=True)
-    err_console.print(reason, highlight=False, markup=False, soft_wrap=True)
-    return typer.Exit(code=1)
+    return _exit(header, [reason], 1)
 
 
 @config_app.command("validate")
