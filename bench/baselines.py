@@ -559,11 +559,11 @@ class Bench:
             for arm in group:
                 result = self.run(arm)
                 steps, rows = result.steps, result.compute
-                while sum(map(total, rows)) < budget and steps < cap:  # trained, not scored
-                    per_step = sum(map(total, rows)) / steps
-                    steps = min(max(steps + 1, math.ceil(budget / per_step)), cap)
-                    self.log(f"{arm.key}: {sum(map(total, rows)):,.0f} tokens of {budget:,.0f}")
-                    rows = self.train(arm, steps)
+                spent = sum(map(total, rows))
+                while spent < budget and steps < cap:  # trained, not scored
+                    steps = min(max(steps + 1, math.ceil(budget / (spent / steps))), cap)
+                    self.log(f"{arm.key}: {spent:,.0f} tokens of {budget:,.0f}")
+                    spent = sum(map(total, self.train(arm, steps)))
                 self.run(arm, steps)  # scored where it got there
 
     def budget(self) -> float:
