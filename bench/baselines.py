@@ -29,7 +29,8 @@ rollout contexts is not counted (the HF policy's cache makes it implementation-d
 Parts (each resumable: finished runs are kept in --out as results, a killed LocalRun
 continues from its newest checkpoint, SSD's sampling from its file; each fits in a
 session of 3 hours on 2 cores: tune about 70 minutes, compare about 95, extend about 40,
-ablate about 60):
+ablate about 60). Two parts may run at once on one --out: a run (and an SSD sample file)
+is trained by one process at a time, the other waits for it and reuses its result.
     tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs),
              scored on the test set at the end only
     compare  the tuned settings at every seed and opd_rl, scored every --eval-every steps
@@ -50,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import itertools
 import json
 import math
@@ -60,7 +63,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -323,7 +326,17 @@ def imitation_data(arm: Arm, count: int, samples: Path, student: Path) -> list[T
         harness = tir_harness()
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(student), harness.tools)
         return trace_trajectories(renderer, harness, count, arm.seed)
-    samples.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(samples):
+        sample(arm, count, samples, student)
+    from rollout.tasks.arithmetic import make_tasks
+
+    order = {task.task_id: i for i, task in enumerate(make_tasks(count, "train", seed=arm.seed))}
+    trajectories = [t for t in read_jsonl(samples) if t.task.task_id in order]
+    return sorted(trajectories, key=lambda t: order[t.task.task_id])
+
+
+def sample(arm: Arm, count: int, samples: Path, student: Path) -> None:
+    """`opd ssd sample` of `count` training problems into `samples` (resumes the file)."""
     sampling = {**SSD_SAMPLING, "temperature": arm.temperature}
     command = [
         sys.executable, "-m", "launch.cli", "ssd", "sample",
@@ -335,11 +348,6 @@ def imitation_data(arm: Arm, count: int, samples: Path, student: Path) -> list[T
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"opd ssd sample failed:\n{done.stdout}\n{done.stderr}")
-    from rollout.tasks.arithmetic import make_tasks
-
-    order = {task.task_id: i for i, task in enumerate(make_tasks(count, "train", seed=arm.seed))}
-    trajectories = [t for t in read_jsonl(samples) if t.task.task_id in order]
-    return sorted(trajectories, key=lambda t: order[t.task.task_id])
 
 
 def train_imitation(
@@ -380,6 +388,33 @@ def train_imitation(
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             model.save_pretrained(ckpt_dir(run_dir, step + 1))
             tokenizer.save_pretrained(ckpt_dir(run_dir, step + 1))
+
+
+_HELD: set[Path] = set()
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold `path`.lock against other processes (two bench parts on one --out); says so
+    when it has to wait. Reentrant within a process; the lock goes with the process,
+    killed or not."""
+    lock = path.with_name(path.name + ".lock").resolve()
+    if lock in _HELD:
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"{path.name}: another bench process holds it, waiting")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        _HELD.add(lock)
+        try:
+            yield
+        finally:
+            _HELD.discard(lock)
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def ckpt_dir(run_dir: Path, step: int) -> Path:
@@ -427,7 +462,12 @@ class Bench:
     def run(self, arm: Arm, steps: int | None = None, curve: bool = True) -> Result:
         """The arm trained to `steps` (default --steps) and scored on the test set at every
         evaluation step (`curve`) or at `steps` only (tuning); kept results and scores are
-        reused, a shorter finished run is extended, a missing score is filled in."""
+        reused, a shorter finished run is extended, a missing score is filled in. One
+        process at a time per run: another waits, then reuses what it finds."""
+        with exclusive(run_dir_of(self.out, arm), self.log):
+            return self._run(arm, steps, curve)
+
+    def _run(self, arm: Arm, steps: int | None, curve: bool) -> Result:
         steps = steps or self.scale.steps
         every = self.scale.eval_every
         base = min(steps, self.scale.steps)  # past --steps (equal compute): the end only
@@ -473,13 +513,14 @@ class Bench:
         """Train the arm to `steps` (nothing to do where it got there before); its per-step
         token counts."""
         run_dir = run_dir_of(self.out, arm)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if arm.recipe in ("sft", "ssd"):
-            samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
-            train_imitation(arm, steps, run_dir, self.student, self.scale.eval_every, samples)
-        else:
-            train_local_run(arm, steps, run_dir, self.student, self.teacher)
-        return Compute(run_dir / "compute.jsonl").rows(steps)
+        with exclusive(run_dir, self.log):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if arm.recipe in ("sft", "ssd"):
+                samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
+                train_imitation(arm, steps, run_dir, self.student, self.scale.eval_every, samples)
+            else:
+                train_local_run(arm, steps, run_dir, self.student, self.teacher)
+            return Compute(run_dir / "compute.jsonl").rows(steps)
 
     def _trim(self, run_dir: Path, steps: int) -> None:
         """Keep the checkpoints of the evaluation steps (a score left out in tuning is
@@ -557,14 +598,18 @@ class Bench:
             if recipe == "opd":
                 continue
             for arm in group:
-                result = self.run(arm)
-                steps, rows = result.steps, result.compute
-                spent = sum(map(total, rows))
-                while spent < budget and steps < cap:  # trained, not scored
-                    steps = min(max(steps + 1, math.ceil(budget / (spent / steps))), cap)
-                    self.log(f"{arm.key}: {spent:,.0f} tokens of {budget:,.0f}")
-                    spent = sum(map(total, self.train(arm, steps)))
-                self.run(arm, steps)  # scored where it got there
+                with exclusive(run_dir_of(self.out, arm), self.log):
+                    self._extend(arm, budget, cap)
+
+    def _extend(self, arm: Arm, budget: float, cap: int) -> None:
+        result = self.run(arm)
+        steps, rows = result.steps, result.compute
+        spent = sum(map(total, rows))
+        while spent < budget and steps < cap:  # trained, not scored
+            steps = min(max(steps + 1, math.ceil(budget / (spent / steps))), cap)
+            self.log(f"{arm.key}: {spent:,.0f} tokens of {budget:,.0f}")
+            spent = sum(map(total, self.train(arm, steps)))
+        self.run(arm, steps)  # scored where it got there
 
     def budget(self) -> float:
         """OPD's mean compute at --steps: the equal-compute budget."""

@@ -193,7 +193,7 @@ class Report:
         # OPD defines the budget: its value is its accuracy at --steps (a seed whose run
         # cost less than the mean never gets to the mean)
         opd = {r.arm.seed: r.test[self.steps] for r in groups["opd"]}
-        rows, data = [], {"budget": budget}
+        rows, data = [], dict[str, Any](budget=budget)
         for recipe, results in groups.items():
             if recipe == "opd":
                 values = [r.test[self.steps] for r in results]

@@ -201,3 +201,50 @@ def test_extend_trains_each_baseline_on_until_it_reaches_opds_compute(
     # the seed-0 tuning run got its missing curve point without being retrained past its end
     seed0 = baselines.load_result(bench.out, bench.tuned("sft"))
     assert seed0 is not None and 2 in seed0.test_scores
+
+
+def test_two_bench_processes_never_train_one_run_at_once(tmp_path: Path) -> None:
+    """Two parts on one --out: a run held by another process is waited for (and said so),
+    then this process gets it; holding it again inside this process does not deadlock."""
+    import subprocess
+    import threading
+    import time
+
+    run_dir = tmp_path / "runs" / "opd-lr0.0001-s0"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); import baselines; "
+            "from pathlib import Path\n"
+            "with baselines.exclusive(Path(sys.argv[2])):\n"
+            "    print('held', flush=True); time.sleep(float(sys.argv[3]))",
+            str(Path(baselines.__file__).parent),
+            str(run_dir),
+            "1.5",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        said: list[str] = []
+        got = threading.Event()
+
+        def take() -> None:
+            with (
+                baselines.exclusive(run_dir, said.append),
+                baselines.exclusive(run_dir, said.append),  # reentrant
+            ):
+                got.set()
+
+        worker = threading.Thread(target=take)
+        worker.start()
+        time.sleep(0.5)
+        assert not got.is_set()  # the other process still holds it
+        worker.join(timeout=20)
+        assert got.is_set()
+        assert said == ["opd-lr0.0001-s0: another bench process holds it, waiting"]
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
