@@ -589,13 +589,17 @@ class Bench:
             for group in arms.values():
                 self.run(group[seed])
 
-    def extend(self) -> None:
-        """Equal compute: each non-OPD run trained on until its compute reaches OPD's mean
-        at --steps (at most MAX_EXTEND x --steps), scored where it gets there."""
+    def extend(self, recipes: Iterable[str] | None = None) -> None:
+        """Equal compute: each non-OPD run (of `recipes`, default all) trained on until its
+        compute reaches OPD's mean at --steps (at most MAX_EXTEND x --steps), scored where
+        it gets there."""
         arms = self.compare_arms()
+        wanted = set(arms) - {"opd"} if recipes is None else set(recipes)
+        if unknown := wanted - set(arms) | wanted & {"opd"}:
+            raise SystemExit(f"extend: no such baseline {sorted(unknown)}; one of {list(arms)[1:]}")
         budget, cap = self.budget(), MAX_EXTEND * self.scale.steps
         for recipe, group in arms.items():
-            if recipe == "opd":
+            if recipe not in wanted:
                 continue
             for arm in group:
                 with exclusive(run_dir_of(self.out, arm), self.log):
@@ -673,7 +677,11 @@ def main() -> None:
     parser.add_argument("part", choices=["tune", "compare", "extend", "ablate", "report", "all"])
     parser.add_argument("--out", type=Path, default=Path("runs/baselines"))
     parser.add_argument("--report-dir", type=Path, default=Path("docs/baselines"))
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="tune: these recipes only")
+    parser.add_argument(
+        "--recipes",
+        help="tune (default: opd,rl,sft,ssd) and extend (default: rl,sft,ssd,opd_rl): these "
+        "recipes only; two extend processes with disjoint recipes share the work",
+    )
     for name, value in asdict(Scale()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     args = parser.parse_args()
@@ -690,11 +698,11 @@ def main() -> None:
 
     bench = Bench(args.out, scale, log)
     if args.part in ("tune", "all"):
-        bench.tune(args.recipes.split(","))
+        bench.tune(args.recipes.split(",") if args.recipes else RECIPES)
     if args.part in ("compare", "all"):
         bench.compare()
     if args.part in ("extend", "all"):
-        bench.extend()
+        bench.extend(args.recipes.split(",") if args.part == "extend" and args.recipes else None)
     if args.part in ("ablate", "all"):
         bench.ablate()
     from baselines_report import write_report

@@ -333,7 +333,8 @@ class Report:
             steps = sorted(set.intersection(*(set(r.test) for r in results)))
             x = [statistics.fmean(r.compute_at(s) for r in results) / 1e6 for s in steps]
             y = [100 * statistics.fmean(r.test[s] for r in results) for s in steps]
-            label = f"{NAMES[recipe]} ({len(results)} seeds)"
+            seeds = len(results)
+            label = f"{NAMES[recipe]} ({seeds} seed{'s' if seeds > 1 else ''})"
             (line,) = axes.plot(x, y, marker="o", label=label)
             for r in results:  # each seed, its equal-compute extension included
                 points = sorted((r.compute_at(s) / 1e6, 100 * a) for s, a in r.test.items())

@@ -188,6 +188,10 @@ def test_extend_trains_each_baseline_on_until_it_reaches_opds_compute(
     opd = bench.tuned("opd")
     for seed in range(SCALE.seeds):  # OPD costs 4 x 2000 tokens: the budget is 8000
         keep(bench, fake_result(replace(opd, seed=seed), 0.5, 2000.0))
+    with pytest.raises(SystemExit, match="no such baseline"):
+        bench.extend(["opd"])  # OPD is the budget, not a baseline to extend
+    bench.extend(["sft"])  # one process's share
+    assert trained and {key.split("-")[0] for key, _ in trained} == {"sft"}
     bench.extend()
     sft = bench.run(replace(bench.tuned("sft"), seed=1))
     # 1000 + 950 + ...: 8000 tokens at step 11 (8250), after tries at 9 (7200) and 10 (7750)
