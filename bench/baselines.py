@@ -87,6 +87,9 @@ GROUPS = (4, 8)
 """RL's group sizes (8: slime's and GRPO's usual --n-samples-per-prompt)."""
 SSD_SAMPLING = {"temperature": 1.1, "top_k": 10, "top_p": 0.95}
 SSD_TEMPERATURES = (0.8, 1.1, 1.4)
+SSD_MOVING_LR = max(LRS["ssd"])
+"""SSD's ablations run again at this rate, the top of its tuning grid: at its tuned rate
+SSD leaves the student where it started, and so does every ablation of it."""
 TRAJECTORIES_PER_STEP = 16
 MAX_EXTEND = 4
 """A run extended for equal compute trains at most this many times --steps."""
@@ -622,23 +625,44 @@ class Bench:
             raise SystemExit("OPD's runs at every seed come first: run the compare part")
         return statistics.fmean(r.compute_at(self.scale.steps) for r in runs if r is not None)
 
-    def ablation_arms(self) -> dict[str, list[Arm]]:
+    def ablation_blocks(self) -> list[dict[str, list[Arm]]]:
+        """The ablations, in blocks: each block's first arm is the one the others are
+        paired with. SSD's blocks run at its tuned lr and again at the top of its tuning
+        grid (SSD_MOVING_LR), a rate at which its training changes the student."""
         ssd, opd = self.tuned("ssd"), self.tuned("opd")
         seeds = range(self.scale.seeds)
-        arms = {
-            f"ssd T={t:g}": [replace(ssd, temperature=t, seed=s) for s in seeds]
-            for t in SSD_TEMPERATURES
-        }
-        arms["ssd, tier-1/2 masked"] = [replace(ssd, seed=s) for s in seeds]
-        arms["ssd, tier-1/2 trained"] = [replace(ssd, mask_invalid=False, seed=s) for s in seeds]
-        arms["opd, think dropped"] = [replace(opd, seed=s) for s in seeds]
-        arms["opd, think kept"] = [replace(opd, think="keep", seed=s) for s in seeds]
-        return arms
+        blocks = []
+        for lr in dict.fromkeys([ssd.lr, SSD_MOVING_LR]):
+            at = replace(ssd, lr=lr)
+            tag = "" if lr == ssd.lr else f", lr {lr:g}"
+            temperatures = sorted(SSD_TEMPERATURES, key=lambda t: t != at.temperature)
+            blocks.append(
+                {
+                    f"ssd T={t:g}{tag}": [replace(at, temperature=t, seed=s) for s in seeds]
+                    for t in temperatures  # the report's T=1.1 first
+                }
+            )
+            blocks.append(
+                {
+                    f"ssd, tier-1/2 masked{tag}": [replace(at, seed=s) for s in seeds],
+                    f"ssd, tier-1/2 trained{tag}": [
+                        replace(at, mask_invalid=False, seed=s) for s in seeds
+                    ],
+                }
+            )
+        blocks.append(
+            {
+                "opd, think dropped": [replace(opd, seed=s) for s in seeds],
+                "opd, think kept": [replace(opd, think="keep", seed=s) for s in seeds],
+            }
+        )
+        return blocks
 
     def ablate(self) -> None:
         for seed in range(self.scale.seeds):
-            for group in self.ablation_arms().values():
-                self.run(group[seed], curve=False)
+            for block in self.ablation_blocks():
+                for group in block.values():
+                    self.run(group[seed], curve=False)
 
 
 def _nanmean(values: Iterable[float]) -> float:

@@ -147,8 +147,10 @@ def test_the_report_pairs_seeds_and_names_what_is_missing(bench: Bench, tmp_path
     text = report.read_text()
     compared = {arm.key for group in arms.values() for arm in group}
     assert compared & set(data["missing"]) == {arms["opd_rl"][1].key}
-    ablated = {arm.key for group in bench.ablation_arms().values() for arm in group}
-    assert ablated - compared <= set(data["missing"])  # the ablations have not run
+    ablated = {a.key for block in bench.ablation_blocks() for arms in block.values() for a in arms}
+    tuning = {arm.key for recipe in baselines.RECIPES for arm in bench.grid(recipe)}
+    assert ablated - compared - tuning <= set(data["missing"])  # the ablations have not run
+    assert "ssd-lr0.001-t1.1-s0" in ablated & tuning  # SSD's top rate, kept from tuning
     assert f"`{arms['opd_rl'][1].key}`" in text.split("Not run yet:")[1]
     assert "RL at its tuned setting learns" in text  # 0% at the start, 20% at every seed
     assert "Equal compute" in text and (tmp_path / "report/results.png").is_file()
@@ -252,3 +254,22 @@ def test_two_bench_processes_never_train_one_run_at_once(tmp_path: Path) -> None
     finally:
         holder.kill()
         holder.wait(timeout=10)
+
+
+def test_ablation_blocks_pair_with_the_reports_spec_at_both_ssd_rates(bench: Bench) -> None:
+    for recipe in baselines.RECIPES:
+        keep_grid(bench, recipe, 0.2, 1000.0)
+    ssd = bench.tuned("ssd")
+    blocks = bench.ablation_blocks()
+    firsts = [next(iter(block.values()))[0] for block in blocks]
+    # temperature, masking at the tuned lr; the same at the grid's top; think keep/drop
+    assert [a.lr for a in firsts[:4]] == [ssd.lr, ssd.lr, 1e-3, 1e-3]
+    assert all(a.temperature == 1.1 and a.mask_invalid for a in firsts[:4])
+    assert firsts[4].recipe == "opd" and firsts[4].think == "drop"
+    for block in blocks:
+        assert all(len(arms) == SCALE.seeds for arms in block.values())
+        assert len({arms[0].key for arms in block.values()}) == len(block)
+    # tuned at the grid's top already: SSD's blocks are not run twice
+    monkeypatch_lr = replace(ssd, lr=baselines.SSD_MOVING_LR)
+    bench.tuned = lambda recipe: monkeypatch_lr if recipe == "ssd" else Arm("opd", 1e-4)  # type: ignore[method-assign]
+    assert len(bench.ablation_blocks()) == 3
