@@ -29,15 +29,16 @@ rollout contexts is not counted (the HF policy's cache makes it implementation-d
 Parts (each resumable: finished runs are kept in --out as results, a killed LocalRun
 continues from its newest checkpoint, SSD's sampling from its file; each fits in a
 session of 3 hours on 2 cores: tune about 70 minutes, compare about 95, extend about 40,
-ablate about 60). Two parts may run at once on one --out: a run (and an SSD sample file)
+ablate about 90). Two parts may run at once on one --out: a run (and an SSD sample file)
 is trained by one process at a time, the other waits for it and reuses its result.
     tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs),
              scored on the test set at the end only
     compare  the tuned settings at every seed and opd_rl, scored every --eval-every steps
              (equal steps; the accuracy-vs-compute curves)
     extend   each non-OPD run trained on until its compute reaches OPD's (equal compute)
-    ablate   SSD temperature (0.8, 1.1, 1.4), SSD without tier-1/2 masking, OPD with
-             think kept in later contexts; every seed, scored at the end
+    ablate   SSD temperature (0.8, 1.1, 1.4) and SSD without tier-1/2 masking, at SSD's
+             tuned lr and at the top of its grid; OPD with think kept in later
+             contexts; every seed, scored at the end
     report   tables, paired differences against OPD, the plot (needs no training)
 
     .venv/bin/python bench/baselines.py tune [--out runs/baselines]
