@@ -31,6 +31,7 @@ continues from its newest checkpoint, SSD's sampling from its file; each fits in
 session of 3 hours on 2 cores: tune about 70 minutes, compare about 95, extend about 40,
 ablate about 90). Two parts may run at once on one --out: a run (and an SSD sample file)
 is trained by one process at a time, the other waits for it and reuses its result.
+The parts:
     tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs),
              scored on the test set at the end only
     compare  the tuned settings at every seed and opd_rl, scored every --eval-every steps
