@@ -564,6 +564,9 @@ class Bench:
                 return arms
 
     def tune(self, recipes: Iterable[str] = RECIPES) -> None:
+        recipes = list(recipes)
+        if unknown := set(recipes) - set(RECIPES):
+            raise SystemExit(f"tune: no such recipe {sorted(unknown)}; one of {list(RECIPES)}")
         for recipe in recipes:
             while missing := [a for a in self.grid(recipe) if not load_result(self.out, a)]:
                 for arm in missing:

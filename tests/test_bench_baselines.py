@@ -190,6 +190,8 @@ def test_extend_trains_each_baseline_on_until_it_reaches_opds_compute(
     opd = bench.tuned("opd")
     for seed in range(SCALE.seeds):  # OPD costs 4 x 2000 tokens: the budget is 8000
         keep(bench, fake_result(replace(opd, seed=seed), 0.5, 2000.0))
+    with pytest.raises(SystemExit, match="no such recipe"):
+        bench.tune(["opd_rl"])  # not tuned: it takes OPD's lr and RL's group size
     with pytest.raises(SystemExit, match="no such baseline"):
         bench.extend(["opd"])  # OPD is the budget, not a baseline to extend
     bench.extend(["sft"])  # one process's share
