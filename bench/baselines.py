@@ -28,7 +28,7 @@ rollout contexts is not counted (the HF policy's cache makes it implementation-d
 
 Parts (each resumable: finished runs are kept in --out as results, a killed LocalRun
 continues from its newest checkpoint, SSD's sampling from its file; each fits in a
-session of 3 hours on 2 cores: tune about 70 minutes, compare about 95, extend about 40,
+session of 3 hours on 2 cores: tune about 90 minutes, compare about 95, extend about 40,
 ablate about 90). Two parts may run at once on one --out: a run (and an SSD sample file)
 is trained by one process at a time, the other waits for it and reuses its result.
 The parts:
