@@ -516,16 +516,15 @@ class Bench:
 
     def train(self, arm: Arm, steps: int) -> list[dict[str, float]]:
         """Train the arm to `steps` (nothing to do where it got there before); its per-step
-        token counts."""
+        token counts. The caller holds the run's lock (`run`, `extend`)."""
         run_dir = run_dir_of(self.out, arm)
-        with exclusive(run_dir, self.log):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if arm.recipe in ("sft", "ssd"):
-                samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
-                train_imitation(arm, steps, run_dir, self.student, self.scale.eval_every, samples)
-            else:
-                train_local_run(arm, steps, run_dir, self.student, self.teacher)
-            return Compute(run_dir / "compute.jsonl").rows(steps)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if arm.recipe in ("sft", "ssd"):
+            samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
+            train_imitation(arm, steps, run_dir, self.student, self.scale.eval_every, samples)
+        else:
+            train_local_run(arm, steps, run_dir, self.student, self.teacher)
+        return Compute(run_dir / "compute.jsonl").rows(steps)
 
     def _trim(self, run_dir: Path, steps: int) -> None:
         """Keep the checkpoints of the evaluation steps (a score left out in tuning is

@@ -269,7 +269,9 @@ class Report:
         from slime_ext.local.evaluate import paired_difference
 
         tuned = self.tuned("rl")
-        runs = groups.get("rl") or [r for r in [self.result(tuned)] if r] if tuned else []
+        if tuned is None:
+            return
+        runs = groups.get("rl") or [r for r in [self.result(tuned)] if r]  # compare, or tune
         if not runs:
             return
         start = self.bench.start_scores()
@@ -297,7 +299,7 @@ class Report:
         self.lines += [
             "## Outcome RL: did it learn, and why not",
             "",
-            f"Tuned RL ({tuned.setting if tuned else ''}), test accuracy minus the untrained "
+            f"Tuned RL ({tuned.setting}), test accuracy minus the untrained "
             f"student's on the same problems, points with a 95% interval: {per_seed}. "
             f"{verdict} Its rollouts (T=1) earn a mean reward of "
             f"{pct(statistics.fmean(rewards))}%, so most groups of "
@@ -312,7 +314,7 @@ class Report:
             "",
         ]
         self.data["rl"] = {
-            "tuned": tuned.setting if tuned else None,
+            "tuned": tuned.setting,
             "diff_vs_start": diffs,
             "reward_mean": rewards,
             "nonzero_advantage_frac": fracs,
