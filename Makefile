@@ -12,6 +12,12 @@ STAMP := $(VENV)/.installed
 SLIME_COMMIT := 624b824a898ab0ec1fcb4d373004c7f3852bf515
 SLIME_VENDOR := ../shared/vendor/slime-624b824a.tar.gz
 SLIME_SOURCE ?= $(if $(wildcard $(SLIME_VENDOR)),$(SLIME_VENDOR),git+https://github.com/THUDM/slime@$(SLIME_COMMIT))
+# Megatron-LM's training package (slime's train.py imports megatron.training; the
+# megatron-core wheel does not ship it), at the tag matching the pinned megatron-core: the
+# vendored tarball beside ../shared, else GitHub (or MEGATRON_LM_SOURCE=.tar.gz, checkout, URL)
+MEGATRON_LM_TAG := core_v0.16.1
+MEGATRON_LM_VENDOR := ../shared/vendor/megatron-lm-$(MEGATRON_LM_TAG)-training.tar.gz
+MEGATRON_LM_SOURCE ?= $(if $(wildcard $(MEGATRON_LM_VENDOR)),$(MEGATRON_LM_VENDOR),git+https://github.com/NVIDIA/Megatron-LM@$(MEGATRON_LM_TAG))
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +39,7 @@ demo: $(STAMP) sandbox-tools
 
 slime: $(STAMP)
 	bash tests/install_slime.sh "$(SLIME_SOURCE)" "$(VENV)"
+	bash tests/install_megatron_lm.sh "$(MEGATRON_LM_SOURCE)" "$(VENV)"
 
 test: $(STAMP) sandbox-tools slime
 	$(BIN)/python -m pytest

@@ -474,7 +474,7 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     extends_data = job.needs_teacher_topk or packed
     if packed:  # the tree attention in every layer, RoPE moved into it
         args += [
-            "--spec", f"{HOOKS}.tree_attention.layer_spec",
+            "--spec", f"{HOOKS}.tree_attention", "layer_spec",
             "--position-embedding-type", "none",
         ]  # fmt: skip
     args += [

@@ -112,9 +112,12 @@ def ray_cluster(
     *,
     ready_timeout_s: float = 120.0,
     attempts: int = 2,
+    head_args: tuple[str, ...] = ("--num-cpus=1",),
+    node_env: dict[str, str] | None = None,
 ) -> Iterator[RayCluster]:
-    """A head (no resources but 1 CPU) and one worker node per entry of `resources` (its
-    custom resources), all alive before it yields; a cluster that does not form (a port
+    """A head (no resources but `head_args`: 1 CPU by default) and one worker node per
+    entry of `resources` (its custom resources), all alive before it yields; every node's
+    processes (its workers too) get `node_env` on top of this environment; a cluster that does not form (a port
     taken meanwhile, a node that died starting) is killed and formed again on other ports,
     `attempts` times. `root` must be a short path: Ray's socket paths live under it (107
     bytes)."""
@@ -122,12 +125,12 @@ def ray_cluster(
         "RAY_health_check_period_ms": "500",  # a killed node is seen dead in seconds
         "RAY_health_check_failure_threshold": "3",
         "RAY_health_check_initial_delay_ms": "500",
-    }
+    } | (node_env or {})
     try:
         for attempt in range(attempts):
             cluster = RayCluster("")
             try:
-                _form(cluster, root / f"a{attempt}", resources, env, ready_timeout_s)
+                _form(cluster, root / f"a{attempt}", resources, env, ready_timeout_s, head_args)
                 break
             except RuntimeError:
                 _kill_all(cluster, root / f"a{attempt}")
@@ -150,6 +153,7 @@ def _form(
     resources: list[dict[str, float]],
     env: dict[str, str],
     ready_timeout_s: float,
+    head_resources: tuple[str, ...] = ("--num-cpus=1",),
 ) -> None:
     """Start the head, wait for it, then the other nodes; RuntimeError with every node's
     log when they are not all alive within `ready_timeout_s`."""
@@ -161,7 +165,7 @@ def _form(
         "--head",
         "--node-ip-address=127.0.0.2",
         f"--port={gcs_port}",
-        "--num-cpus=1",
+        *head_resources,
         "--include-dashboard=false",
         f"--ray-client-server-port={base + 998}",
         *_port_args(base),

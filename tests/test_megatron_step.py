@@ -94,7 +94,7 @@ def model_config(tp: int, cp: int, sequence_parallel: bool) -> Any:
 def gpt_model(config: Any, vocab: int, packed: bool, tree: bool = False) -> Any:
     """The test GPTModel; `tree`: with our tree attention in its layer spec (and RoPE
     moved into it: position_embedding_type none), as slime builds it from
-    `--spec slime_ext.slime.tree_attention.layer_spec`."""
+    `--spec slime_ext.slime.tree_attention layer_spec`."""
     from megatron.core.models.gpt import GPTModel
 
     from slime_ext.slime.tree_attention import Rope, with_tree_attention

@@ -19,7 +19,7 @@ from slime_ext.models.factory import build_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch/configs/swe-opd-cluster.yaml"
 TREE_FLAGS = [
-    "--spec", "slime_ext.slime.tree_attention.layer_spec",
+    "--spec", "slime_ext.slime.tree_attention", "layer_spec",
     "--position-embedding-type", "none",
 ]  # fmt: skip
 

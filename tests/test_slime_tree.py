@@ -212,7 +212,7 @@ def _spec_args(**overrides: Any) -> Any:
 
 
 def test_slimes_spec_hook_puts_the_tree_attention_in_every_layer_and_takes_rope_over() -> None:
-    """--spec slime_ext.slime.tree_attention.layer_spec, as slime's provider calls it: the
+    """--spec slime_ext.slime.tree_attention layer_spec, as slime's provider calls it: the
     default layer with our core attention; RoPE (also as slime's model scripts set it, with
     the legacy --use-rotary-position-embeddings) moves into the attention."""
     from slime_ext.slime.settings import HookConfigError

@@ -304,7 +304,7 @@ def with_tree_attention(spec: Any, rope: Rope, kernel: Kernel = "dense") -> Any:
 
 
 def layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
-    """slime's `--spec slime_ext.slime.tree_attention.layer_spec`: the spec slime builds by
+    """slime's `--spec slime_ext.slime.tree_attention layer_spec`: the spec slime builds by
     default (Transformer Engine's or the local one, MoE blocks included) with the tree
     attention as every layer's core attention, RoPE moved into it: slime's provider builds
     GPTModel from `args` after calling this, so a `rope` position embedding becomes `none`

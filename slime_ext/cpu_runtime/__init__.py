@@ -1,0 +1,140 @@
+"""A CPU runtime for slime's processes: a TEST AND REHEARSAL AID, not a way to train.
+
+slime's train.py runs its trainers as Ray actors (and its converters under torchrun) in
+processes of their own, so an in-process patch cannot reach them. `install()` is called at
+interpreter start by `site/sitecustomize.py` when OPD_CPU_RUNTIME=1 (put `site/` on the
+PYTHONPATH of Ray's runtime_env or of torchrun: `runtime_env_vars()`), and registers
+post-import hooks, so a process that never imports slime or Megatron pays nothing:
+
+- import-only stand-ins for what cannot be installed here (sglang, torch_memory_saver:
+  `standins`);
+- slime.utils.accelerator: the CPU backend of slime's accelerator registry
+  (`accelerator.CPUAccelerator`; gloo for collectives and weight updates);
+- every CUDA site of megatron-core, Megatron-LM and slime a whole job reaches, pointed at
+  the CPU (`redirects.MEGATRON_CORE_SITES`, `redirects.PROCESS_SITES`), plus
+  nn.Module.cuda(cpu) and Tensor.type()'s CUDA names (the distributed optimizer's check);
+- slime's numpy-1 assert (`redirects.NUMPY_SITE` says why);
+- fp32 parameters where slime forces bf16 (`redirects.FP32_SITE` says why);
+- slime's process-group wrapper forwarding torch 2.13's collectives
+  (`redirects.RELOADABLE_GROUP_SITE`).
+
+What slime and Megatron-LM offer as settings is used instead of a redirect where one
+exists (`SLIME_FLAGS`): Megatron's inference RNG tracker (no CUDA RNG state), no
+train offload (torch_memory_saver is a CUDA allocator hook), the local transformer
+implementation with the layer spec of `slime_ext.cpu_runtime.spec`.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ENV_FLAG = "OPD_CPU_RUNTIME"
+SITE_DIR = Path(__file__).resolve().parent / "site"
+"""The folder holding sitecustomize.py: on PYTHONPATH, it installs this runtime."""
+
+MEGATRON_FLAGS = (
+    "--inference-rng-tracker",
+    "--transformer-impl", "local",
+    "--distributed-backend", "gloo",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+)  # fmt: skip
+"""Megatron-LM settings a CPU process takes in place of redirects (fused kernels off: they
+are CUDA-only); slime's converters take these."""
+SLIME_FLAGS = (*MEGATRON_FLAGS, "--no-offload-train")
+"""What slime's train.py takes on top: no train offload (torch_memory_saver)."""
+
+
+def runtime_env_vars(pythonpath: str | None = None) -> dict[str, str]:
+    """The environment that installs this runtime in every process started with it (Ray's
+    runtime_env env_vars, torchrun's environment)."""
+    paths = [str(SITE_DIR), str(Path(__file__).resolve().parents[2])]
+    if pythonpath:
+        paths.append(pythonpath)
+    # slime's own run scripts set it: Megatron's TP / CP overlap assumes one CUDA queue
+    return {
+        ENV_FLAG: "1",
+        "PYTHONPATH": os.pathsep.join(paths),
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    }
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a hook right after one of the named modules has executed."""
+
+    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.hooks = hooks
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        hook = self.hooks.get(fullname)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _HookedLoader(spec.loader, hook)
+                return spec
+        return None
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, hook: Callable[[ModuleType], None]) -> None:
+        self.loader, self.hook = loader, hook
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.hook(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+def _register_accelerator(module: ModuleType) -> None:
+    from slime_ext.cpu_runtime.accelerator import register
+
+    register()
+
+
+def _patch_torch(module: ModuleType) -> None:
+    import torch
+
+    from slime_ext.cpu_runtime import redirects
+
+    torch.Tensor.type = redirects.type_names_cuda(torch.Tensor.type)  # type: ignore[method-assign]
+    torch.nn.Module.cuda = redirects.module_cuda_on_cpu(torch.nn.Module.cuda)  # type: ignore[method-assign]
+
+
+def install() -> None:
+    """Register the hooks in this process (once); modules already imported are redirected
+    now."""
+    if any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        return
+    from slime_ext.cpu_runtime import redirects, standins
+
+    standins.install()
+    sites = [*redirects.MEGATRON_CORE_SITES, *redirects.PROCESS_SITES, redirects.NUMPY_SITE[0]]
+    hooks: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(sites, redirects.apply)
+    hooks["slime.utils.accelerator"] = _register_accelerator
+    hooks[redirects.FP32_SITE[0]] = redirects.keep_fp32
+    hooks[redirects.RELOADABLE_GROUP_SITE[0]] = redirects.forward_new_collectives
+    hooks["megatron.core"] = _patch_torch
+    for name, hook in hooks.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+    sys.meta_path.insert(0, _AfterImport(hooks))

@@ -1,0 +1,265 @@
+"""Where megatron-core, Megatron-LM and slime hard-code CUDA, each site pointed at the CPU:
+a test and rehearsal aid (REFERENCE.md, "Megatron-core and slime on CPU").
+
+A site is a module whose own `torch` (or `numpy`) name is replaced by a view: `torch`
+whose CUDA allocations land on the CPU, whose `torch.cuda` reports the CPU as its current
+device and has no-op streams, and whose `pin_memory=True` allocations are plain ones (no
+pinned-memory allocator exists without an accelerator). Nothing else of those modules
+changes. `apply(module)` redirects one module; `SITES` names every site and why.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import ModuleType
+from typing import Any
+
+import torch
+
+CPU = torch.device("cpu")
+
+MEGATRON_CORE_SITES = {
+    "megatron.core.utils": "the global memory buffer (utils.py:628-631) and the grad norm "
+    'of local_multi_tensor_l2_norm (utils.py:1207) on device="cuda"',
+    "megatron.core.tensor_parallel.mappings": "all-gather / reduce-scatter outputs on "
+    "torch.cuda.current_device() (mappings.py:141,181): SP and the CP attention's K/V",
+    "megatron.core.tensor_parallel.layers": "the SP linear backward's all-gathered input "
+    "(layers.py:551-552)",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding.get_emb "
+    "moves inv_freq to torch.cuda.current_device() (rotary_pos_embedding.py:162)",
+    "megatron.core.pipeline_parallel.schedules": "forward_backward_no_pipelining's "
+    'total_num_tokens on device="cuda" (schedules.py:596)',
+    "megatron.core.optimizer.optimizer": "_dummy_overflow_buf, _scale_one and the constant "
+    "grad scale on device='cuda' (optimizer.py:481,485,907)",
+    "megatron.core.optimizer.clip_grads": "get_grad_norm_fp32's overflow buffer on "
+    "device='cuda' (clip_grads.py:103)",
+    "megatron.core.distributed.param_and_grad_buffer": "param and grad buffers on "
+    "torch.cuda.current_device() (param_and_grad_buffer.py:797-806)",
+}
+"""megatron-core modules whose `torch` is redirected (the in-process tests' sites too)."""
+
+PROCESS_SITES = {
+    "megatron.training.training": "get_model moves each model chunk to "
+    "torch.cuda.current_device() and wraps DDP in a torch.cuda.Stream (training.py:1259,"
+    "1326-1345)",
+    "megatron.training.utils": "validate_args reads the device's compute capability "
+    "(get_device_arch_version, utils.py:448) when TP or CP > 1: an architecture before "
+    "Blackwell here (no CUDA streams whose ordering it tunes)",
+    "megatron.training.checkpointing": "save_checkpoint's RNG state reads "
+    "torch.cuda.get_rng_state() (checkpointing.py:343) even with --no-save-rng",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors "
+    "synchronizes torch.cuda before writing (filesystem_async.py:230)",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": "the fully parallel save "
+    "and load synchronize torch.cuda (fully_parallel.py:272,281)",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "the save's reuse and "
+    "failure flags on device='cuda' (state_dict_saver.py:204,252)",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "the async caller's flags on "
+    "torch.cuda.current_device() and its synchronize (async_utils.py:165,212,604)",
+    "megatron.core.dist_checkpointing.exchange_utils": "the load's exchange buffers on "
+    'device="cuda" (exchange_utils.py:104,110,326)',
+    "slime.utils.tensor_backper": "TensorBackuper's CPU copies of the weights are pinned "
+    "(tensor_backper.py:61), at init and after every step",
+}
+"""Sites that only a whole job reaches (slime's train actors), on top of MEGATRON_CORE_SITES."""
+
+NUMPY_SITE = (
+    "slime.backends.megatron_utils.initialize",
+    "initialize.py:66 asserts numpy 1.x (slime's image pins 1.26.4, for Megatron-LM#1563 "
+    "in Megatron's dataset index builders, which slime's train.py never calls); this "
+    "environment keeps numpy 2 (datasets and pyarrow need it), so that module's `np` "
+    "reports the version slime's image pins",
+)
+SLIME_IMAGE_NUMPY = "1.26.4"
+
+
+def _cpu_device(device: Any) -> Any:
+    """A CUDA placement (a 'cuda' string, an index, a cuda device) becomes the CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return CPU
+    return device
+
+
+class _NoStream:
+    """torch.cuda.Stream on the CPU: work is synchronous, waits are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+
+class _CudaOnCpu(ModuleType):
+    """`torch.cuda` as a redirected module sees it: its current device is the CPU, its
+    streams are no-ops, its RNG state is the CPU generator's."""
+
+    Stream = _NoStream
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda (CPU redirect)")
+
+    def current_device(self) -> torch.device:
+        return CPU
+
+    def current_stream(self, device: Any = None) -> _NoStream:
+        return _NoStream()
+
+    def default_stream(self, device: Any = None) -> _NoStream:
+        return _NoStream()
+
+    def stream(self, stream: Any) -> Any:
+        return nullcontext()
+
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+    def get_device_properties(self, device: Any = None) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name="cpu", major=0, minor=0, multi_processor_count=0)
+
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()  # the CPU generator is the only one
+
+    def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu(ModuleType):
+    """`torch` as a redirected module sees it: CUDA allocations land on the CPU, pinned
+    allocations are plain."""
+
+    def __init__(self) -> None:
+        super().__init__("torch (CPU redirect)")
+        self.cuda = _CudaOnCpu()
+        for name in ("tensor", "zeros", "empty", "empty_like", "zeros_like", "ones", "full"):
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _on_cpu(factory: Any) -> Any:
+    def allocate(*args: Any, device: Any = None, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return factory(*args, device=_cpu_device(device), **kwargs)
+
+    return allocate
+
+
+class _NumpyAsPinned(ModuleType):
+    """numpy with the version slime's image pins (NUMPY_SITE says why)."""
+
+    __version__ = SLIME_IMAGE_NUMPY
+
+    def __init__(self) -> None:
+        super().__init__("numpy (slime image version)")
+
+    def __getattr__(self, name: str) -> Any:
+        import numpy
+
+        return getattr(numpy, name)
+
+
+TORCH_ON_CPU = _TorchOnCpu()
+
+
+def apply(module: ModuleType) -> None:
+    """Redirect one site (a module named in MEGATRON_CORE_SITES, PROCESS_SITES or NUMPY_SITE)."""
+    if module.__name__ == NUMPY_SITE[0]:
+        module.np = _NumpyAsPinned()  # type: ignore[attr-defined]
+        return
+    module.torch = TORCH_ON_CPU  # type: ignore[attr-defined]
+
+
+FP32_SITE = (
+    "slime.backends.megatron_utils.arguments",
+    "_set_default_megatron_args forces bf16 unless fp16 (arguments.py:157); a CPU run keeps "
+    "fp32 parameters: bf16 matmuls are emulated on CPU, and fp32 is what lets a CPU run be "
+    "checked against a reference to 1e-6",
+)
+
+
+def keep_fp32(module: ModuleType) -> None:
+    """The FP32_SITE: slime's default Megatron arguments, then bf16 off (both its names)."""
+    original = module._set_default_megatron_args
+
+    def set_default_megatron_args(args: Any) -> Any:
+        args = original(args)
+        args.bf16 = False
+        return args
+
+    module._set_default_megatron_args = set_default_megatron_args  # type: ignore[attr-defined]
+    module.set_default_megatron_args = set_default_megatron_args  # type: ignore[attr-defined]
+
+
+RELOADABLE_GROUP_SITE = (
+    "slime.utils.reloadable_process_group",
+    "ReloadableProcessGroup forwards the collectives of the torch slime's image ships; "
+    "torch 2.13 (the CPU build here) dispatches all_gather_into_tensor, "
+    "reduce_scatter_tensor and all_to_all_single to methods it does not forward "
+    "(all_gather_single, reduce_scatter_single, all_to_all_single and their coalesced "
+    "forms), which then find no backend on the wrapper",
+)
+TORCH_213_COLLECTIVES = (
+    "all_gather_single",
+    "all_gather_single_coalesced",
+    "reduce_scatter_single",
+    "reduce_scatter_single_coalesced",
+    "all_to_all_single",
+)
+
+
+def forward_new_collectives(module: ModuleType) -> None:
+    """The RELOADABLE_GROUP_SITE: each of TORCH_213_COLLECTIVES that this torch has and the
+    wrapper does not define, forwarded to the wrapped group as the wrapper forwards its own."""
+    wrapper = module.ReloadableProcessGroup
+    for name in TORCH_213_COLLECTIVES:
+        if hasattr(torch.distributed.ProcessGroup, name) and name not in vars(wrapper):
+            setattr(wrapper, name, _forwarding(name))
+
+
+def _forwarding(name: str) -> Any:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._fwd(name, *args, **kwargs)
+
+    return forward
+
+
+def type_names_cuda(original: Any) -> Any:
+    """Tensor.type() naming a CPU tensor as its CUDA twin ('torch.cuda.FloatTensor'): the
+    distributed optimizer accepts only CUDA type names (distrib_optimizer.py:361,420,582)."""
+
+    def tensor_type(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, dtype, *args, **kwargs)
+        if dtype is None and self.device.type == "cpu" and isinstance(result, str):
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+    return tensor_type
+
+
+def module_cuda_on_cpu(original: Any) -> Any:
+    """nn.Module.cuda(device) with a CPU device keeps the module where it is: get_model calls
+    `model_module.cuda(torch.cuda.current_device())` (training.py:1259), which the
+    redirected torch.cuda answers with the CPU."""
+
+    def cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+        if isinstance(device, torch.device) and device.type == "cpu":
+            return self
+        return original(self, device)
+
+    return cuda

@@ -1,0 +1,142 @@
+"""Test-only: slime's own train.py / train_async.py, whole, on this CPU machine.
+
+The job `opd launch` would submit, run as slime runs it: a Ray cluster of loopback nodes
+with fake GPUs (`ray start --num-gpus`), slime's train.py as the driver, its
+RolloutManager and MegatronTrainRayActors as Ray actors in processes of their own, real
+Megatron-LM (`megatron.training`) and megatron-core. Each of those processes gets
+slime_ext.cpu_runtime (the CPU runtime, a test and rehearsal aid) from the nodes'
+environment (`cpu_runtime.runtime_env_vars`), before anything of slime loads.
+
+Train-only replay: the rollouts are written beforehand in slime's own format (slime's
+`save_debug_rollout_data`, what `--save-debug-rollout-data` writes) and replayed with
+`--load-debug-rollout-data`, so no rollout engine is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from slime_ext.cpu_runtime import MEGATRON_FLAGS, SLIME_FLAGS, runtime_env_vars
+from tests.live_server import free_port
+from tests.ray_nodes import RayCluster, ray_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def slime_dir() -> Path:
+    """The installed slime's checkout (`make slime` installs it editable, tools/ beside it)."""
+    import slime
+
+    return Path(slime.__file__).resolve().parents[1]
+
+
+def cpu_env() -> dict[str, str]:
+    """The environment of every process of a CPU job: the CPU runtime, slime's checkout
+    and this project importable, W&B offline."""
+    env = runtime_env_vars(str(slime_dir()))
+    return env | {"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def model_args(hf_dir: Path) -> list[str]:
+    """MODEL_ARGS (slime's scripts/models/qwen3-*.sh) of a Qwen3 HF checkpoint."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    args = [
+        "--swiglu",
+        "--num-layers", str(config["num_hidden_layers"]),
+        "--hidden-size", str(config["hidden_size"]),
+        "--ffn-hidden-size", str(config["intermediate_size"]),
+        "--num-attention-heads", str(config["num_attention_heads"]),
+        "--group-query-attention",
+        "--num-query-groups", str(config["num_key_value_heads"]),
+        "--use-rotary-position-embeddings",
+        "--disable-bias-linear",
+        "--normalization", "RMSNorm",
+        "--norm-epsilon", str(config["rms_norm_eps"]),
+        "--rotary-base", str(int(rope.get("rope_theta", config.get("rope_theta", 10000)))),
+        "--vocab-size", str(config["vocab_size"]),
+        "--kv-channels", str(config["head_dim"]),
+        "--qk-layernorm",
+    ]  # fmt: skip
+    if not config.get("tie_word_embeddings", False):
+        args.append("--untie-embeddings-and-output-weights")
+    return args
+
+
+def cpu_spec(train_args: Sequence[str]) -> list[str]:
+    """The plan's arguments with its layer spec as the CPU runtime builds it: the tree
+    attention's (tree-packed samples) or slime's default local layer."""
+    args = list(train_args)
+    if "--spec" in args:
+        at = args.index("--spec")
+        if args[at + 1 : at + 3] != ["slime_ext.slime.tree_attention", "layer_spec"]:
+            raise ValueError(f"a spec the CPU runtime does not wrap: {args[at : at + 3]}")
+        args[at + 1 : at + 3] = ["slime_ext.cpu_runtime.spec", "tree_layer_spec"]
+        return args
+    return [*args, "--spec", "slime_ext.cpu_runtime.spec", "layer_spec"]
+
+
+def run(
+    command: Sequence[str], log: Path, *, env: dict[str, str], timeout_s: float, cwd: Path
+) -> None:
+    """Run a job's program; its output to `log`; a failure raises with the log's tail."""
+    with log.open("wb") as out:
+        done = subprocess.run(
+            list(command), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+            timeout=timeout_s, check=False,
+        )  # fmt: skip
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-6000:]
+        raise AssertionError(f"{shlex.join(command[:3])} ... exited {done.returncode}:\n{tail}")
+
+
+def convert_hf_to_torch_dist(hf_dir: Path, out: Path, log: Path) -> None:
+    """slime's tools/convert_hf_to_torch_dist.py under torchrun (one process), as users
+    convert their student."""
+    env = os.environ | cpu_env() | {"WORLD_SIZE": "1"}
+    command = [
+        str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "1",
+        "--master-port", str(free_port()), "tools/convert_hf_to_torch_dist.py",
+        *model_args(hf_dir), *MEGATRON_FLAGS,
+        "--spec", "slime_ext.cpu_runtime.spec", "layer_spec",
+        "--hf-checkpoint", str(hf_dir), "--save", str(out),
+    ]  # fmt: skip
+    run(command, log, env=env, timeout_s=240, cwd=slime_dir())
+
+
+def save_replay(directory: Path, rollouts: Sequence[Sequence[Any]]) -> str:
+    """Each rollout's flattened samples in slime's debug format, by slime's own writer;
+    the `--load-debug-rollout-data` template."""
+    from slime.observability.rollout_data_utils import save_debug_rollout_data
+
+    template = str(directory / "rollout_{rollout_id}.pt")
+    for rollout_id, samples in enumerate(rollouts):
+        save_debug_rollout_data(template, list(samples), rollout_id=rollout_id, evaluation=False)
+    return template
+
+
+@contextmanager
+def cpu_cluster(root: Path, gpus: int) -> Iterator[RayCluster]:
+    """One loopback Ray node with `gpus` fake GPUs (and CPUs beyond the cores: slime asks a
+    CPU per GPU bundle and one per helper actor), its processes under the CPU runtime."""
+    with ray_cluster(
+        root, [], head_args=(f"--num-gpus={gpus}", "--num-cpus=16"), node_env=cpu_env()
+    ) as cluster:
+        yield cluster
+
+
+def train(
+    cluster: RayCluster, args: Sequence[str], log: Path, *, script: str = "train.py",
+    timeout_s: float = 300,
+) -> None:  # fmt: skip
+    """slime's `script` as the job's driver on `cluster`, with `args`."""
+    env = os.environ | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
+    run([sys.executable, script, *args], log, env=env, timeout_s=timeout_s, cwd=slime_dir())
