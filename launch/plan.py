@@ -521,12 +521,21 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
         if oprd:
             args += ["--custom-advantage-function-path", f"{HOOKS}.oprd.advantages"]
         args += router_policy_args(job)  # trajectories stay on one engine's prefix cache
-    if job.logging.wandb_mode != "disabled":
-        args += ["--use-wandb", "--wandb-project", job.logging.wandb_project]
-        if job.logging.wandb_group:
-            args += ["--wandb-group", job.logging.wandb_group]
-        if job.logging.wandb_entity:
-            args += ["--wandb-team", job.logging.wandb_entity]
+    logging = job.logging
+    if logging.wandb_mode != "disabled":
+        # slime names its run after the group (a missing group crashed train.py at start,
+        # wandb_utils.py:46), by default with a random suffix from wandb.util.generate_id,
+        # which wandb 0.2x removed; offline runs land in its cwd (slime's checkout) unless
+        # given a directory
+        args += [
+            "--use-wandb", "--wandb-project", logging.wandb_project,
+            "--wandb-mode", logging.wandb_mode,
+            "--wandb-group", logging.wandb_group or logging.run_dir.name,
+            "--disable-wandb-random-suffix",
+            "--wandb-dir", str(logging.run_dir / "wandb"),
+        ]  # fmt: skip
+        if logging.wandb_entity:
+            args += ["--wandb-team", logging.wandb_entity]
     return args + list(cluster.extra_train_args)
 
 

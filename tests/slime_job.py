@@ -140,3 +140,24 @@ def train(
     """slime's `script` as the job's driver on `cluster`, with `args`."""
     env = os.environ | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
     run([sys.executable, script, *args], log, env=env, timeout_s=timeout_s, cwd=slime_dir())
+
+
+def convert_torch_dist_to_hf(
+    checkpoint: Path, out: Path, origin_hf: Path, vocab: int, log: Path
+) -> None:
+    """slime's tools/convert_torch_dist_to_hf.py, as docs/evaluation.md tells users to
+    evaluate a trained checkpoint (the padded embedding cut back to the vocabulary)."""
+    command = [
+        sys.executable, "tools/convert_torch_dist_to_hf.py", "--input-dir", str(checkpoint),
+        "--output-dir", str(out), "--origin-hf-dir", str(origin_hf), "--vocab-size", str(vocab),
+        "--force",
+    ]  # fmt: skip
+    run(command, log, env=os.environ | cpu_env(), timeout_s=120, cwd=slime_dir())
+
+
+def doubled_loss(args: Any, batch: Any, logits: Any, sum_of_sample_mean: Any) -> Any:
+    """A negative control's custom loss (a job's train actors import it): ours times 2."""
+    from slime_ext.slime.loss import loss
+
+    value, metrics = loss(args, batch, logits, sum_of_sample_mean)
+    return 2 * value, metrics
