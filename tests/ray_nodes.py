@@ -121,11 +121,15 @@ def ray_cluster(
     taken meanwhile, a node that died starting) is killed and formed again on other ports,
     `attempts` times. `root` must be a short path: Ray's socket paths live under it (107
     bytes)."""
-    env = ray_env() | {
-        "RAY_health_check_period_ms": "500",  # a killed node is seen dead in seconds
-        "RAY_health_check_failure_threshold": "3",
-        "RAY_health_check_initial_delay_ms": "500",
-    } | (node_env or {})
+    env = (
+        ray_env()
+        | {
+            "RAY_health_check_period_ms": "500",  # a killed node is seen dead in seconds
+            "RAY_health_check_failure_threshold": "3",
+            "RAY_health_check_initial_delay_ms": "500",
+        }
+        | (node_env or {})
+    )
     try:
         for attempt in range(attempts):
             cluster = RayCluster("")

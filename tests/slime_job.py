@@ -14,19 +14,22 @@ Train-only replay: the rollouts are written beforehand in slime's own format (sl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from slime_ext.cpu_runtime import MEGATRON_FLAGS, SLIME_FLAGS, runtime_env_vars
+from slime_ext.cpu_runtime import MEGATRON_FLAGS, runtime_env_vars
 from tests.live_server import free_port
-from tests.ray_nodes import RayCluster, ray_cluster
+from tests.ray_nodes import RayCluster, ray_cluster, ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +45,11 @@ def cpu_env() -> dict[str, str]:
     """The environment of every process of a CPU job: the CPU runtime, slime's checkout
     and this project importable, W&B offline."""
     env = runtime_env_vars(str(slime_dir()))
-    return env | {"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return env | {
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def model_args(hf_dir: Path) -> list[str]:
@@ -138,8 +145,33 @@ def train(
     timeout_s: float = 300,
 ) -> None:  # fmt: skip
     """slime's `script` as the job's driver on `cluster`, with `args`."""
-    env = os.environ | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
+    env = ray_env() | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
     run([sys.executable, script, *args], log, env=env, timeout_s=timeout_s, cwd=slime_dir())
+
+
+def train_until_killed(
+    cluster: RayCluster, args: Sequence[str], log: Path, stop: Callable[[], bool],
+    timeout_s: float = 300,
+) -> None:  # fmt: skip
+    """slime's train.py on `cluster`, SIGKILLed (its whole session: a lost head node's job)
+    as soon as `stop()` holds; AssertionError if it ends or times out first."""
+    env = ray_env() | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "train.py", *args], cwd=slime_dir(), env=env, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not stop():
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-4000:]
+                raise AssertionError(f"train.py ended before it was stopped:\n{tail}")
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
 
 
 def convert_torch_dist_to_hf(

@@ -14,9 +14,9 @@ to_samples on scripted trajectories, and our pre-tokenized SFT records).
 What must hold: after 3 rollouts the job's parameters (its torch_dist checkpoint,
 converted to HF by slime's tools/convert_torch_dist_to_hf.py) equal a single-process
 reference to 1e-6: the same HF student, test_slime_real's plain-torch objective on each
-replayed sample's logits, Adam without momentum by hand (Megatron's Adam with betas 0 and
-an eps far above every gradient: the update shows the gradient's scale). A job whose loss
-is doubled is caught by the same check (the negative control).
+replayed sample's logits (tree-packed samples: on the same trajectories' per-turn
+samples), torch's Adam (an eps far above every gradient: the update shows the gradient's
+scale). A job whose loss is doubled is caught by the same check (the negative control).
 
 Optimizer settings are the job's `cluster.extra_train_args`, as a user would pass them.
 """
@@ -43,19 +43,32 @@ require_slime()
 pytest.importorskip("megatron.training.training", reason="make slime installs Megatron-LM")
 
 from launch.plan import train_args  # noqa: E402
+from slime_ext.cpu_runtime import SLIME_FLAGS  # noqa: E402
 from slime_ext.job.config import JobConfig, config_from_dict  # noqa: E402
 from slime_ext.models.factory import build_checkpoint  # noqa: E402
-from tests.test_slime_real import KL_COEF, TEMPERATURE, job_dict, reference  # noqa: E402
+from tests.test_slime_real import TEMPERATURE, job_dict, reference  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 ROLLOUTS = 3
-LR, ADAM_EPS = 50.0, 1e3
-OPTIMIZER_ARGS = [
-    "--lr", str(LR), "--min-lr", str(LR), "--adam-beta1", "0", "--adam-beta2", "0",
-    "--adam-eps", str(ADAM_EPS), "--clip-grad", "0", "--weight-decay", "0",
-]  # fmt: skip
-"""Adam without momentum, eps far above every gradient: lr * g / (|g| + eps) ~ g / 20."""
+ADAM_EPS = 1e3
+LR = {"opd": 50.0, "opd topk": 1e4, "oprd": 5.0, "sft": 5.0}
+"""The learning rate of each case (optimizer_args)."""
+BETAS = (0.9, 0.999)
+
+
+def optimizer_args(lr: float) -> list[str]:
+    """Adam with an eps far above every gradient: each update is about lr * m / eps, so it
+    shows the gradient's scale (Adam's usual first steps, g / |g|, would hide it), and its
+    moments must survive a resume. `lr` per recipe: the weights move by 1e-3 to 1e-1 in 3
+    steps, so that 1e-6 is fp32's agreement, not a small step's."""
+    return [
+        "--lr", str(lr), "--min-lr", str(lr), "--adam-beta1", str(BETAS[0]),
+        "--adam-beta2", str(BETAS[1]), "--adam-eps", str(ADAM_EPS), "--clip-grad", "0",
+        "--weight-decay", "0",
+    ]  # fmt: skip
+
+
 ATOL = 1e-6
 PADDED_VOCAB = 2304
 """The student's vocab_size: the factory tokenizer's 2,054 ids padded to 9 x 256."""
@@ -96,16 +109,31 @@ class Run:
 
 
 def job_for(
-    student: Student, directory: Path, recipe: str, layout: tuple[int, int, int], **settings: Any
+    student: Student,
+    directory: Path,
+    recipe: str,
+    layout: tuple[int, int, int],
+    colocate: bool = True,
+    lr: float = LR["opd"],
+    save_every_steps: int = 10,
+    **settings: Any,
 ) -> JobConfig:
     """test_slime_real's job of `recipe` for this student on TP x CP x DP, the optimizer
     settings passed as a user passes extra slime arguments."""
     tp, cp, dp = layout
-    data = job_dict(recipe, directory, OPTIMIZER_ARGS, settings or None)
+    data = job_dict(recipe, directory, optimizer_args(lr), settings or None)
     data["model"]["student"] = str(student.hf_dir)
-    data["parallel"] |= {"gpus_per_node": tp * cp * dp, "tp": tp, "cp": cp}
+    data["parallel"] |= {
+        "gpus_per_node": tp * cp * dp, "tp": tp, "cp": cp, "colocate": colocate,
+        # two or three samples a micro-batch: slime's DP schedule cannot split one-sample
+        # micro-batches evenly over DP 2 (test_megatron_step's MAX_TOKENS_PER_GPU)
+        "max_tokens_per_gpu": 640,
+    }  # fmt: skip
     data["cluster"]["megatron_checkpoint"] = str(student.torch_dist)
-    data["logging"] |= {"wandb_mode": "offline", "wandb_project": "opd-cpu-job"}
+    data["logging"] |= {
+        "wandb_mode": "offline", "wandb_project": "opd-cpu-job",
+        "save_every_steps": save_every_steps,
+    }  # fmt: skip
     return config_from_dict(data)
 
 
@@ -122,7 +150,7 @@ def prepare(student: Student, directory: Path, job: JobConfig, samples: list[Any
     template = slime_job.save_replay(directory / "replay", [samples] * ROLLOUTS)
     args = [
         *slime_job.model_args(student.hf_dir),
-        *slime_job.SLIME_FLAGS,
+        *SLIME_FLAGS,
         *slime_job.cpu_spec(train_args(job, str(directory / "hooks.yaml"))),
         "--load-debug-rollout-data", template,
         "--num-rollout", str(ROLLOUTS),
@@ -159,9 +187,11 @@ def generated_samples(student: Student, directory: Path, top_k: int = 0) -> list
             for group in range(GROUPS):
                 bases = [
                     Sample(
-                        index=group * GROUP_SIZE + i, group_index=group,
-                        prompt=f"What is {group} + {i + 2}?", label=str(group + i + 2),
-                    )  # fmt: skip
+                        index=group * GROUP_SIZE + i,
+                        group_index=group,
+                        prompt=f"What is {group} + {i + 2}?",
+                        label=str(group + i + 2),
+                    )
                     for i in range(GROUP_SIZE)
                 ]
                 params = {"temperature": TEMPERATURE, "max_new_tokens": 10}
@@ -176,24 +206,26 @@ def generated_samples(student: Student, directory: Path, top_k: int = 0) -> list
 
 
 def reference_params(
-    student: Student, run: Run, recipe: str, loss: str = "sampled"
-) -> dict[str, torch.Tensor]:
-    """The HF student trained by hand on the replayed samples, ROLLOUTS times: each step
-    test_slime_real's objective on every sample's logits (over the real vocabulary),
-    then Adam without momentum."""
+    student: Student, run: Run, recipe: str, samples: list[Any] | None = None,
+    loss: str = "sampled",
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The HF student trained in this process on the replayed samples (or their per-turn
+    twins), ROLLOUTS steps: test_slime_real's objective on every sample's logits, then
+    torch's Adam with the job's settings (every parameter stepped, as Megatron's
+    distributed optimizer steps them)."""
     (run.directory / "reference").mkdir(exist_ok=True)
     args = slime_args(run.job, run.directory / "reference", vocab=student.vocab)
+    samples = run.samples if samples is None else samples
     model = AutoModelForCausalLM.from_pretrained(student.hf_dir, attn_implementation="eager")
     model.float().train()
+    lr = float(run.job.cluster.extra_train_args[1])  # optimizer_args: --lr first
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=BETAS, eps=ADAM_EPS)
     for _ in range(ROLLOUTS):
-        model.zero_grad()
-        logits = [model(torch.tensor([s.tokens])).logits[0] for s in run.samples]
-        _, _, grads = reference(recipe, run.samples, [x.detach() for x in logits], args, loss)
+        optimizer.zero_grad(set_to_none=False)
+        logits = [model(torch.tensor([s.tokens])).logits[0] for s in samples]
+        _, _, grads = reference(recipe, samples, [x.detach() for x in logits], args, loss)
         torch.autograd.backward(logits, grads)
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.grad is not None:
-                    param -= LR * param.grad / (param.grad.abs() + ADAM_EPS)
+        optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -224,27 +256,141 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield running
 
 
+def scripted_samples(
+    recipe: str, directory: Path, job: JobConfig, student: Student, layout: str = "per_turn"
+) -> list[Any]:
+    """test_slime_real's rollout step of `recipe` (our to_samples on scripted trajectories
+    with a teacher's top-k; sft: our pre-tokenized records through our SFT rollout),
+    flattened as slime's RolloutManager flattens it."""
+    from slime_ext.models.factory import build_tokenizer
+    from tests.test_slime_real import rollout_groups, scripted_with_topk
+
+    directory.mkdir(parents=True, exist_ok=True)
+    args = slime_args(job, directory, vocab=student.vocab)
+    trajectories = scripted_with_topk(build_tokenizer())
+    [step, *_] = rollout_groups(recipe, args, directory, trajectories, layout=layout)
+    return [s for group in step for rollout in group for s in rollout]
+
+
+def assert_trained_as_reference(
+    student: Student, run: Run, recipe: str, expected: dict[str, torch.Tensor]
+) -> float:
+    """The job moved the weights and ended where the reference did; the error."""
+    initial = load_file(student.hf_dir / "model.safetensors")
+    moved = max(float((expected[k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-3  # the steps change the weights
+    error = max_error(trained_params(student, run, ROLLOUTS - 1), expected)
+    assert error < ATOL, (recipe, error)
+    return error
+
+
+def wandb_keys(run: Run) -> bytes:
+    """The offline W&B run's records (its history keys are in them as text)."""
+    files = list((Path(str(run.job.logging.run_dir)) / "wandb").rglob("run-*.wandb"))
+    assert files, "no offline W&B run in the job's run directory"
+    return b"".join(f.read_bytes() for f in files)
+
+
 @pytest.mark.timeout(600)
 def test_train_py_tp2_per_turn_equals_the_reference_and_a_doubled_loss_does_not(
     tmp_path: Path, student: Student, cluster: Any
 ) -> None:
     """OPD, per-turn samples from the real generate path, TP2 x DP1 with sequence
-    parallelism, slime's train.py."""
+    parallelism, slime's train.py; slime's and our metrics per rollout in the console and
+    an offline W&B run."""
     samples = generated_samples(student, tmp_path / "rollout")
     assert len(samples) > GROUPS * GROUP_SIZE  # several turns: per-turn samples
-    job = job_for(student, tmp_path / "job", "opd", (2, 1, 1))
-    run = prepare(student, tmp_path / "job", job, samples)
+    run = prepare(
+        student, tmp_path / "job", job_for(student, tmp_path / "job", "opd", (2, 1, 1)), samples
+    )
     slime_job.train(cluster, run.args, run.directory / "train.log")
     expected = reference_params(student, run, "opd")
-    initial = load_file(student.hf_dir / "model.safetensors")
-    moved = max(float((expected[k] - initial[k]).abs().max()) for k in initial)
-    assert moved > 1e-3  # the steps change the weights
-    assert max_error(trained_params(student, run, ROLLOUTS - 1), expected) < ATOL
+    assert_trained_as_reference(student, run, "opd", expected)
 
-    doubled = prepare(student, tmp_path / "doubled", job_for(
-        student, tmp_path / "doubled", "opd", (2, 1, 1)), samples)  # fmt: skip
+    console = (run.directory / "train.log").read_text(errors="replace")
+    for rollout_id in range(ROLLOUTS):  # ours, per rollout (slime logs none of a replay)
+        assert f"opd rollout {rollout_id}: " in console
+    assert console.count("'train/opd_reverse_kl'") >= ROLLOUTS  # slime's train log, ours in it
+    records = wandb_keys(run)
+    for key in (b"rollout/num_turns", b"rollout/opd_reverse_kl", b"train/opd_reverse_kl",
+                b"train/grad_norm", b"perf/processed_tokens_per_loss_token"):  # fmt: skip
+        assert key in records, key
+
+    directory = tmp_path / "doubled"
+    doubled = prepare(student, directory, job_for(student, directory, "opd", (2, 1, 1)), samples)
     at = doubled.args.index("--custom-loss-function-path")
     doubled.args[at + 1] = "tests.slime_job.doubled_loss"
     slime_job.train(cluster, doubled.args, doubled.directory / "train.log")
     assert max_error(trained_params(student, doubled, ROLLOUTS - 1), expected) > 100 * ATOL
-    assert KL_COEF > 0
+
+
+@pytest.mark.timeout(600)
+def test_train_async_py_tree_packed_topk_on_cp2_equals_the_per_turn_reference(
+    tmp_path: Path, student: Student, cluster: Any
+) -> None:
+    """OPD with the teacher's top-k (topk_tail), tree-packed samples (one per trajectory,
+    the tree attention in every layer), TP1 x CP2, slime's train_async.py; the reference
+    trains on the same trajectories' per-turn samples."""
+    directory = tmp_path / "job"
+    settings = {"opd_loss": "topk_tail", "sequence_layout": "packed"}
+    # train_async.py refuses colocated engines (train_async.py:11)
+    job = job_for(
+        student, directory, "opd", (1, 2, 1), colocate=False, lr=LR["opd topk"], **settings
+    )
+    packed = scripted_samples("opd", tmp_path / "packed", job, student, layout="packed")
+    per_turn = scripted_samples("opd", tmp_path / "per_turn", job, student)
+    assert len(packed) < len(per_turn)
+    run = prepare(student, directory, job, packed)
+    assert run.args[run.args.index("--spec") + 1 :][:2] == [
+        "slime_ext.cpu_runtime.spec", "tree_layer_spec",
+    ]  # fmt: skip
+    slime_job.train(cluster, run.args, directory / "train.log", script="train_async.py")
+    expected = reference_params(student, run, "opd", per_turn, loss="topk_tail")
+    assert_trained_as_reference(student, run, "opd", expected)
+
+
+@pytest.mark.timeout(600)
+def test_train_py_oprd_on_dp2_equals_the_reference(
+    tmp_path: Path, student: Student, cluster: Any
+) -> None:
+    """OPRD (its branch shares through our advantage hook, success NLL and failure KL),
+    per-turn samples, TP1 x DP2 (one trajectory's turns on both ranks), slime's train.py."""
+    directory = tmp_path / "job"
+    job = job_for(student, directory, "oprd", (1, 1, 2), lr=LR["oprd"])
+    run = prepare(student, directory, job, scripted_samples("oprd", tmp_path / "s", job, student))
+    assert "--custom-advantage-function-path" in run.args
+    slime_job.train(cluster, run.args, directory / "train.log")
+    assert_trained_as_reference(student, run, "oprd", reference_params(student, run, "oprd"))
+
+
+@pytest.mark.timeout(600)
+def test_sft_job_resumed_after_rollout_2_ends_as_the_uninterrupted_one(
+    tmp_path: Path, student: Student, cluster: Any
+) -> None:
+    """SFT on pre-tokenized turns, TP2 x DP1, slime's train.py: the uninterrupted job equals
+    the reference; the same job saving every rollout, killed once rollout 2's checkpoint is
+    saved (slime's save_model) and launched again as it was (--load), goes on from rollout
+    3 and ends with the same parameters (Adam's moments and the LR schedule restored)."""
+    directory = tmp_path / "job"
+    job = job_for(student, directory, "sft", (2, 1, 1), lr=LR["sft"])
+    samples = scripted_samples("sft", tmp_path / "s", job, student)
+    run = prepare(student, directory, job, samples)
+    slime_job.train(cluster, run.args, directory / "train.log")
+    expected = reference_params(student, run, "sft")
+    assert_trained_as_reference(student, run, "sft", expected)
+    uninterrupted = trained_params(student, run, ROLLOUTS - 1)
+
+    directory = tmp_path / "resumed"
+    job = job_for(student, directory, "sft", (2, 1, 1), lr=LR["sft"], save_every_steps=1)
+    resumed = prepare(student, directory, job, samples)
+    tracker = Path(str(resumed.job.cluster.save_dir)) / "latest_checkpointed_iteration.txt"
+
+    def saved_rollout_1() -> bool:
+        return tracker.exists() and tracker.read_text().strip() == str(ROLLOUTS - 2)
+
+    slime_job.train_until_killed(cluster, resumed.args, directory / "first.log", saved_rollout_1)
+    assert tracker.read_text().strip() == str(ROLLOUTS - 2)  # killed before rollout 2 saved
+    slime_job.train(cluster, resumed.args, directory / "second.log")
+    second = (directory / "second.log").read_text(errors="replace")
+    assert "'train/step': 2" in second and "'train/step': 1" not in second  # went on
+    assert max_error(trained_params(student, resumed, ROLLOUTS - 1), uninterrupted) < ATOL

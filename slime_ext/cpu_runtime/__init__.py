@@ -14,7 +14,10 @@ post-import hooks, so a process that never imports slime or Megatron pays nothin
   the CPU (`redirects.MEGATRON_CORE_SITES`, `redirects.PROCESS_SITES`), plus
   nn.Module.cuda(cpu) and Tensor.type()'s CUDA names (the distributed optimizer's check);
 - slime's numpy-1 assert (`redirects.NUMPY_SITE` says why);
-- fp32 parameters where slime forces bf16 (`redirects.FP32_SITE` says why);
+- fp32 parameters where slime forces bf16, and each rank loading its own checkpoint
+  shards (`redirects.DEFAULTS_SITE` says why);
+- a fresh distributed optimizer that can take a checkpoint under torch's Adam
+  (`redirects.OPTIMIZER_LOAD_SITE`);
 - slime's process-group wrapper forwarding torch 2.13's collectives
   (`redirects.RELOADABLE_GROUP_SITE`).
 
@@ -41,6 +44,9 @@ SITE_DIR = Path(__file__).resolve().parent / "site"
 
 MEGATRON_FLAGS = (
     "--inference-rng-tracker",
+    # that tracker keeps no states, and Megatron-LM refuses a checkpoint without tracker
+    # states unless told not to load RNG (checkpointing.py:1868); nothing here draws from it
+    "--no-load-rng",
     "--transformer-impl", "local",
     "--distributed-backend", "gloo",
     "--no-gradient-accumulation-fusion",
@@ -50,8 +56,9 @@ MEGATRON_FLAGS = (
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
 )  # fmt: skip
-"""Megatron-LM settings a CPU process takes in place of redirects (fused kernels off: they
-are CUDA-only); slime's converters take these."""
+"""Megatron-LM settings a CPU process takes in place of redirects: Megatron's inference
+RNG tracker (forks are no-ops; no CUDA RNG state), fused kernels off (CUDA-only); slime's
+converters take these."""
 SLIME_FLAGS = (*MEGATRON_FLAGS, "--no-offload-train")
 """What slime's train.py takes on top: no train offload (torch_memory_saver)."""
 
@@ -131,7 +138,8 @@ def install() -> None:
     sites = [*redirects.MEGATRON_CORE_SITES, *redirects.PROCESS_SITES, redirects.NUMPY_SITE[0]]
     hooks: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(sites, redirects.apply)
     hooks["slime.utils.accelerator"] = _register_accelerator
-    hooks[redirects.FP32_SITE[0]] = redirects.keep_fp32
+    hooks[redirects.DEFAULTS_SITE[0]] = redirects.cpu_defaults
+    hooks[redirects.OPTIMIZER_LOAD_SITE[0]] = redirects.states_before_load
     hooks[redirects.RELOADABLE_GROUP_SITE[0]] = redirects.forward_new_collectives
     hooks["megatron.core"] = _patch_torch
     for name, hook in hooks.items():

@@ -185,25 +185,83 @@ def apply(module: ModuleType) -> None:
     module.torch = TORCH_ON_CPU  # type: ignore[attr-defined]
 
 
-FP32_SITE = (
+DEFAULTS_SITE = (
     "slime.backends.megatron_utils.arguments",
-    "_set_default_megatron_args forces bf16 unless fp16 (arguments.py:157); a CPU run keeps "
-    "fp32 parameters: bf16 matmuls are emulated on CPU, and fp32 is what lets a CPU run be "
-    "checked against a reference to 1e-6",
+    "_set_default_megatron_args forces bf16 unless fp16 (arguments.py:157) and the fully "
+    "parallel checkpoint load (arguments.py:163). A CPU run keeps fp32 parameters (bf16 "
+    "matmuls are emulated on CPU, and fp32 is what lets a CPU run be checked against a "
+    "reference to 1e-6) and loads each rank's shards itself (the fully parallel load's "
+    "exchange moves tensors with .cuda(), exchange_utils.py:336,499)",
 )
 
 
-def keep_fp32(module: ModuleType) -> None:
-    """The FP32_SITE: slime's default Megatron arguments, then bf16 off (both its names)."""
+def cpu_defaults(module: ModuleType) -> None:
+    """The DEFAULTS_SITE: slime's default Megatron arguments, then bf16 and the fully
+    parallel load off (under both of the function's names)."""
     original = module._set_default_megatron_args
 
     def set_default_megatron_args(args: Any) -> Any:
         args = original(args)
         args.bf16 = False
+        args.ckpt_fully_parallel_load = False
         return args
 
     module._set_default_megatron_args = set_default_megatron_args  # type: ignore[attr-defined]
     module.set_default_megatron_args = set_default_megatron_args  # type: ignore[attr-defined]
+
+
+OPTIMIZER_LOAD_SITE = (
+    "megatron.core.optimizer.distrib_optimizer",
+    "with torch's Adam (no Transformer Engine or Apex: the CPU case) state_dict() asserts "
+    "one 'step' over the per-parameter states (distrib_optimizer.py:642), which a fresh "
+    "optimizer has none of when a checkpoint is loaded into it; Megatron's own dummy-state "
+    "init (distrib_optimizer.py:1137, its FSDP load path's) makes them first, and the load "
+    "replaces them. The load then copies the saved main parameters in place outside "
+    "no_grad (distrib_optimizer.py:940): with fp32 parameters (the CPU runtime's) the main "
+    "parameters are views of the trained leaves and the copy raises; it runs under no_grad. "
+    "And torch's Adam keeps a step per parameter, which the load writes as ONE tensor "
+    "shared by every parameter's state (distrib_optimizer.py:818-822) and then copies the "
+    "saved states into in place: measured here, a job resumed after 2 optimizer steps took "
+    "its third with Adam's step at 1 (the bias correction of step 2) and ended 8.5e-4 away "
+    "from the uninterrupted job. Each parameter's step is set to the checkpoint's (its "
+    "param groups carry it) as its own tensor; TE's and Apex's Adam, the GPU case, keep "
+    "the step in the param group",
+)
+
+
+def states_before_load(module: ModuleType) -> None:
+    """The OPTIMIZER_LOAD_SITE: DistributedOptimizer.sharded_state_dict(is_loading=True) on
+    an optimizer without states initializes them first; the loaded main parameters and
+    states are set under no_grad; each parameter's step is the checkpoint's, its own
+    tensor."""
+    import inspect
+
+    optimizer_class = module.DistributedOptimizer
+    original = optimizer_class.sharded_state_dict
+    signature = inspect.signature(original)
+
+    def sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        is_loading = signature.bind(self, *args, **kwargs).arguments.get("is_loading", False)
+        if is_loading and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, *args, **kwargs)
+
+    optimizer_class.sharded_state_dict = sharded_state_dict
+    set_states = optimizer_class._set_main_param_and_optimizer_states
+    optimizer_class._set_main_param_and_optimizer_states = torch.no_grad()(set_states)
+    load_state_dict = optimizer_class.load_state_dict
+
+    def load_with_own_steps(self: Any, state_dict: Any) -> Any:
+        result = load_state_dict(self, state_dict)
+        steps = {group.get("step") for group in state_dict["optimizer"]["param_groups"]}
+        if len(steps) == 1 and None not in steps:
+            [step] = steps
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = torch.tensor(float(step))
+        return result
+
+    optimizer_class.load_state_dict = load_with_own_steps
 
 
 RELOADABLE_GROUP_SITE = (

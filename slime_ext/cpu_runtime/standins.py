@@ -41,7 +41,7 @@ class _Placeholder:
         return child
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise StandInCalled(f"{self._name} is a CPU import stand-in (slime_ext/cpu_runtime/standins.py)")
+        raise StandInCalled(f"{self._name} is a CPU import stand-in (cpu_runtime/standins.py)")
 
     def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
         return (object,)  # `class X(stand_in.Base)` imports; X behaves as a plain class

@@ -27,9 +27,21 @@ def wrap(
     drifted: Callable[[str, str], str],
 ) -> None:
     """module.name = make(module.name), unless an extension tagged `tag` wrapped it."""
-    current = getattr(module, name, None)
+    wrap_in(vars(module), name, make, tag, lambda what: drifted(f"{module.__name__}.{name}", what))
+
+
+def wrap_in(
+    namespace: dict[str, Any],
+    name: str,
+    make: Callable[[Callable[..., Any]], Callable[..., Any]],
+    tag: str,
+    drifted: Callable[[str], str],
+) -> None:
+    """namespace[name] = make(namespace[name]) (a module's or a function's globals), unless
+    an extension tagged `tag` wrapped it there."""
+    current = namespace.get(name)
     if current is None or not callable(current):
-        raise HookConfigError(drifted(f"{module.__name__}.{name}", "is gone"))
+        raise HookConfigError(drifted("is gone"))
     link = current
     while link is not None:
         if getattr(link, _TAG, None) == tag:
@@ -38,7 +50,7 @@ def wrap(
     wrapped = make(current)
     setattr(wrapped, _TAG, tag)
     setattr(wrapped, _ORIGINAL, current)
-    setattr(module, name, wrapped)
+    namespace[name] = wrapped
 
 
 def before(hook: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
@@ -87,7 +99,14 @@ def before_rank_split(
     """Call hook(rank's rollout data) in slime's DP split, once per rank, before slime
     tensorizes the rank's payload (RolloutManager._split_train_data_by_dp builds each
     rank's dict, with its "partition" and "tokens", and calls
-    tensorize_rollout_data_for_training on it)."""
+    tensorize_rollout_data_for_training on it).
+
+    In a job the RolloutManager is a Ray actor: Ray ships its class by value, so its
+    methods read a copy of slime.ray.rollout's globals made when the actor started, and a
+    wrapper put on the module alone is never called (the teacher's top-k and the trees
+    would not reach training). The function is wrapped where the live manager's split
+    reads it too: in those globals, found on the call stack (slime calls the rollout log
+    hook, which installs this, from RolloutManager.generate)."""
     from slime.ray import rollout
 
     manager = rollout.RolloutManager
@@ -99,4 +118,22 @@ def before_rank_split(
         "RolloutManager._split_train_data_by_dp",
         drifted,
     )
-    wrap(rollout, "tensorize_rollout_data_for_training", before(hook), tag, drifted)
+    name = "tensorize_rollout_data_for_training"
+    wrap(rollout, name, before(hook), tag, drifted)
+    live = _calling_manager_globals()
+    if live is not None and live is not vars(rollout):
+        where = f"{name} in the RolloutManager actor's copy of slime.ray.rollout"
+        wrap_in(live, name, before(hook), tag, lambda what: drifted(where, what))
+
+
+def _calling_manager_globals() -> dict[str, Any] | None:
+    """The globals RolloutManager.generate runs with, that generate being on the call stack
+    (in a Ray actor: the copy of slime.ray.rollout's globals that every method of the
+    unpickled class shares), or None."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "generate" else None
+        if hasattr(type(owner), "_split_train_data_by_dp"):
+            return frame.f_globals
+        frame = frame.f_back
+    return None

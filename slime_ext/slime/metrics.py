@@ -21,6 +21,7 @@ layout's cost (per turn: every context again; tree-packed: about 1) shows in eve
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from rollout.reminders import ReminderStats
@@ -34,6 +35,8 @@ from slime_ext.slime.samples import (
     REMINDER_STATS_KEY,
     rollout_id_of,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def log_rollout(
@@ -49,10 +52,12 @@ def log_rollout(
     if rollout_extra_metrics is not None:
         rollout_extra_metrics.update(metrics)
         return False
-    # slime's rollout function returned no metrics dict to extend: log ours separately
+    # slime's rollout function returned no metrics dict to extend (a replayed rollout:
+    # slime then logs nothing of the rollout): log ours separately, to W&B and the console
     from slime.observability import logging_utils, metric_utils
 
     step = metric_utils.compute_rollout_step(args, rollout_id)
+    logger.info("opd rollout %d: %s", rollout_id, metrics)
     logging_utils.log(args, metrics | {"rollout/step": step}, step_key="rollout/step")
     return False
 

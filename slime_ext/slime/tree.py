@@ -95,9 +95,18 @@ def install_rollout_side() -> None:
 # 2. the Megatron ranks -------------------------------------------------------------------
 
 
+_expect_trees = False
+"""The job trains tree-packed samples: a micro-batch without trees is an error."""
+
+
 def init(args: Any) -> None:
     """--custom-megatron-init-path: every extension of the training side (the trees, the
     teacher's top-k), installed on each Megatron rank."""
+    global _expect_trees
+    if args is not None and getattr(args, "opd_job_config", None):
+        from slime_ext.slime.settings import load_job
+
+        _expect_trees = load_job(args.opd_job_config).algorithm.sequence_layout == "packed"
     install_train_side()
     topk.install_train_side()
 
@@ -122,6 +131,12 @@ def _with_trees(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(data_iterator, keys, *args, **kwargs)
         batch = original(data_iterator, [*keys, TREE_ROWS], *args, **kwargs)
         trees = batch.pop(TREE_ROWS, None)
+        if trees is None and _expect_trees:
+            # without its tree a packed sample is attended causally: a silently wrong model
+            raise TreeError(
+                "a micro-batch of a tree-packed job arrived without its trees: slime's DP "
+                "split did not carry them (slime_ext.slime.tree, step 1)"
+            )
         if trees is not None:
             allgather_cp = kwargs.get("allgather_cp", args[1] if len(args) > 1 else False)
             if allgather_cp:
