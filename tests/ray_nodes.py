@@ -117,8 +117,9 @@ def ray_cluster(
 ) -> Iterator[RayCluster]:
     """A head (no resources but `head_args`: 1 CPU by default) and one worker node per
     entry of `resources` (its custom resources), all alive before it yields; every node's
-    processes (its workers too) get `node_env` on top of this environment; a cluster that does not form (a port
-    taken meanwhile, a node that died starting) is killed and formed again on other ports,
+    processes (its workers too) get `node_env` on top of this environment; a cluster that
+    does not form (a port taken meanwhile, a node that died starting) is killed and formed
+    again on other ports,
     `attempts` times. `root` must be a short path: Ray's socket paths live under it (107
     bytes)."""
     env = (

@@ -187,6 +187,25 @@ def convert_torch_dist_to_hf(
     run(command, log, env=os.environ | cpu_env(), timeout_s=120, cwd=slime_dir())
 
 
+def megatron_logits(
+    hf_dir: Path, save_dir: Path, prompt: Sequence[int], out: Path, log: Path
+) -> Any:
+    """The logits on `prompt` of the latest checkpoint in `save_dir`, loaded by Megatron-LM
+    into slime's model (tests/megatron_forward.py under torchrun): [len(prompt), vocab]."""
+    import torch
+
+    env = os.environ | cpu_env() | {"WORLD_SIZE": "1"}
+    command = [
+        str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "1",
+        "--master-port", str(free_port()), str(ROOT / "tests/megatron_forward.py"), str(out),
+        ",".join(str(t) for t in prompt), *model_args(hf_dir), *MEGATRON_FLAGS,
+        "--spec", "slime_ext.cpu_runtime.spec", "layer_spec",
+        "--hf-checkpoint", str(hf_dir), "--load", str(save_dir),
+    ]  # fmt: skip
+    run(command, log, env=env, timeout_s=240, cwd=slime_dir())
+    return torch.load(out)
+
+
 def doubled_loss(args: Any, batch: Any, logits: Any, sum_of_sample_mean: Any) -> Any:
     """A negative control's custom loss (a job's train actors import it): ours times 2."""
     from slime_ext.slime.loss import loss

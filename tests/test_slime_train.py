@@ -348,6 +348,20 @@ def test_train_async_py_tree_packed_topk_on_cp2_equals_the_per_turn_reference(
     expected = reference_params(student, run, "opd", per_turn, loss="topk_tail")
     assert_trained_as_reference(student, run, "opd", expected)
 
+    # negative control: the same job with the trees lost on the way is refused, not
+    # trained causally over the packed sequences
+    from slime_ext.slime.samples import TREE_KEY
+
+    for sample in packed:
+        sample.train_metadata = {k: v for k, v in sample.train_metadata.items() if k != TREE_KEY}
+    directory = tmp_path / "trees_lost"
+    lost = prepare(student, directory, job_for(
+        student, directory, "opd", (1, 2, 1), colocate=False, lr=LR["opd topk"], **settings
+    ), packed)  # fmt: skip
+    with pytest.raises(AssertionError, match="exited"):
+        slime_job.train(cluster, lost.args, directory / "train.log", script="train_async.py")
+    assert "arrived without its trees" in (directory / "train.log").read_text(errors="replace")
+
 
 @pytest.mark.timeout(600)
 def test_train_py_oprd_on_dp2_equals_the_reference(
@@ -368,7 +382,8 @@ def test_sft_job_resumed_after_rollout_2_ends_as_the_uninterrupted_one(
     tmp_path: Path, student: Student, cluster: Any
 ) -> None:
     """SFT on pre-tokenized turns, TP2 x DP1, slime's train.py: the uninterrupted job equals
-    the reference; the same job saving every rollout, killed once rollout 2's checkpoint is
+    the reference, and its checkpoint converted to HF gives Megatron's logits on a prompt;
+    the same job saving every rollout, killed once rollout 2's checkpoint is
     saved (slime's save_model) and launched again as it was (--load), goes on from rollout
     3 and ends with the same parameters (Adam's moments and the LR schedule restored)."""
     directory = tmp_path / "job"
@@ -379,6 +394,19 @@ def test_sft_job_resumed_after_rollout_2_ends_as_the_uninterrupted_one(
     expected = reference_params(student, run, "sft")
     assert_trained_as_reference(student, run, "sft", expected)
     uninterrupted = trained_params(student, run, ROLLOUTS - 1)
+    # the HF model slime's converter made (docs/evaluation.md's path to evaluate a trained
+    # checkpoint) gives Megatron's logits: the checkpoint loaded by Megatron-LM at TP1
+    prompt = samples[0].tokens[:24]
+    megatron = slime_job.megatron_logits(
+        student.hf_dir, Path(str(job.cluster.save_dir)), prompt, directory / "logits.pt",
+        directory / "forward.log",
+    )  # fmt: skip
+    converted = AutoModelForCausalLM.from_pretrained(directory / f"hf_iter_{ROLLOUTS - 1}")
+    with torch.no_grad():
+        hf = converted.float().eval()(torch.tensor([prompt])).logits[0]
+    assert megatron.shape == hf.shape
+    assert float((megatron - hf).abs().max()) < 1e-5
+    assert torch.equal(megatron.argmax(-1), hf.argmax(-1))  # the same greedy tokens
 
     directory = tmp_path / "resumed"
     job = job_for(student, directory, "sft", (2, 1, 1), lr=LR["sft"], save_every_steps=1)

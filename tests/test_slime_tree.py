@@ -314,3 +314,60 @@ def test_the_rollout_log_reports_processed_tokens_per_loss_token(scripted: list[
         assert metrics["perf/loss_tokens"] == sum(sum(s.loss_mask) for s in kept)
         ratios[layout] = metrics["perf/processed_tokens_per_loss_token"]
     assert ratios["packed"] < ratios["per_turn"] / 1.5
+
+
+def test_a_packed_job_whose_micro_batch_lost_its_trees_fails_instead_of_attending_causally(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without its tree a packed sample would be attended causally (a silently wrong
+    model): on a packed job's ranks get_batch refuses a micro-batch without trees."""
+    import yaml
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from slime_ext.job.config import config_from_dict
+
+    def get_batch(iterator: Any, keys: list[str], *args: Any) -> dict[str, Any]:
+        return {"tokens": 1, "packed_seq_params": PackedSeqParams()}
+
+    monkeypatch.setattr(tree, "install_train_side", lambda: None)
+    monkeypatch.setattr(tree.topk, "install_train_side", lambda: None)
+    monkeypatch.setattr(tree, "_expect_trees", False)
+    for layout, fails in (("per_turn", False), ("packed", True)):
+        job = config_from_dict({"algorithm": {"sequence_layout": layout}})
+        path = tmp_path / f"{layout}.yaml"
+        path.write_text(yaml.safe_dump(job.model_dump(mode="json")))
+        tree.init(type("Args", (), {"opd_job_config": str(path)})())
+        if fails:
+            with pytest.raises(tree.TreeError, match="without its trees"):
+                tree._with_trees(get_batch)(None, ["tokens"], 128, False)
+        else:
+            assert "packed_seq_params" in tree._with_trees(get_batch)(None, ["tokens"], 128, False)
+
+
+def test_the_split_wrapper_reaches_a_rollout_manager_whose_methods_read_copied_globals(
+    scripted: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a job Ray ships the RolloutManager class by value: its methods read a copy of
+    slime.ray.rollout's globals (tests/test_slime_train.py runs that for real). A wrapper
+    put on the module alone would never run there; installed from inside a manager's
+    generate, it wraps the copy the split reads too."""
+    from slime.ray import rollout
+
+    monkeypatch.setattr(rollout, "tensorize_rollout_data_for_training", lambda data: None)
+    copied = dict(vars(rollout))  # what the unpickled class's methods read
+
+    class Manager:  # generate and the split run with the copied globals, as in the actor
+        def _split_train_data_by_dp(self, data: dict[str, Any]) -> dict[str, Any]:
+            copied["tensorize_rollout_data_for_training"](data)
+            return data
+
+    source = "def generate(self, samples):\n    record_step(samples)\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "slime/ray/rollout.py", "exec"), copied, namespace)
+    Manager.generate = namespace["generate"]  # type: ignore[attr-defined]
+    copied["record_step"] = tree.record_step
+    samples = [to_samples(t, _base(i), "kl", layout="packed")[0] for i, t in enumerate(scripted)]
+    Manager().generate(samples)  # type: ignore[attr-defined]
+    data = Manager()._split_train_data_by_dp({"partition": [1], "tokens": [samples[1].tokens]})
+    assert [t.shape[1] for t in data[tree.TREE_ROWS]] == [len(samples[1].tokens)]
+    tree.record_step([])

@@ -136,7 +136,7 @@ class NormedColumnParallelLinear:
     def __new__(cls, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> Any:
         from megatron.core.tensor_parallel import ColumnParallelLinear
 
-        class _Normed(ColumnParallelLinear):  # type: ignore[misc]
+        class _Normed(ColumnParallelLinear):
             def forward(self, input_: torch.Tensor, *args: Any, **kw: Any) -> Any:
                 return super().forward(self._norm(input_), *args, **kw)
 
