@@ -112,6 +112,18 @@ class _HookedLoader(importlib.abc.Loader):
         return getattr(self.loader, name)
 
 
+def _later(name: str) -> Callable[[ModuleType], None]:
+    """redirects.<name>, imported when a site loads (redirects imports torch; sitecustomize
+    runs in every Python process Ray starts, most of which never load a site)."""
+
+    def hook(module: ModuleType) -> None:
+        from slime_ext.cpu_runtime import redirects
+
+        getattr(redirects, name)(module)
+
+    return hook
+
+
 def _register_accelerator(module: ModuleType) -> None:
     from slime_ext.cpu_runtime.accelerator import register
 
@@ -132,15 +144,15 @@ def install() -> None:
     now."""
     if any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
         return
-    from slime_ext.cpu_runtime import redirects, standins
+    from slime_ext.cpu_runtime import sites, standins
 
     standins.install()
-    sites = [*redirects.MEGATRON_CORE_SITES, *redirects.PROCESS_SITES, redirects.NUMPY_SITE[0]]
-    hooks: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(sites, redirects.apply)
+    redirected = [*sites.MEGATRON_CORE_SITES, *sites.PROCESS_SITES, sites.NUMPY_SITE[0]]
+    hooks: dict[str, Callable[[ModuleType], None]] = dict.fromkeys(redirected, _later("apply"))
     hooks["slime.utils.accelerator"] = _register_accelerator
-    hooks[redirects.DEFAULTS_SITE[0]] = redirects.cpu_defaults
-    hooks[redirects.OPTIMIZER_LOAD_SITE[0]] = redirects.states_before_load
-    hooks[redirects.RELOADABLE_GROUP_SITE[0]] = redirects.forward_new_collectives
+    hooks[sites.DEFAULTS_SITE[0]] = _later("cpu_defaults")
+    hooks[sites.OPTIMIZER_LOAD_SITE[0]] = _later("states_before_load")
+    hooks[sites.RELOADABLE_GROUP_SITE[0]] = _later("forward_new_collectives")
     hooks["megatron.core"] = _patch_torch
     for name, hook in hooks.items():
         if name in sys.modules:

@@ -1,0 +1,73 @@
+"""slime_ext.cpu_runtime as a process started with its environment sees it (Ray's workers,
+torchrun's ranks): nothing loaded at start, and each site redirected when it loads. The
+whole job it serves runs in tests/test_slime_train.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from slime_ext.cpu_runtime import runtime_env_vars
+from tests.slime_driver import require_slime
+
+require_slime()
+
+PROBE = """
+import json, sys
+started = {"torch": "torch" in sys.modules, "slime": "slime" in sys.modules}
+from slime.utils import accelerator
+import megatron.training.training as training
+import megatron.core.utils as core_utils
+import slime.backends.megatron_utils.initialize as initialize
+import torch
+linear = torch.nn.Linear(2, 2)
+print(json.dumps({
+    "started": started,
+    "accelerator": accelerator.get_accelerator().name,
+    "backend": accelerator.process_group_backend("nccl"),
+    "weights_backend": accelerator.weight_update_backend(),
+    "training_torch": training.torch.__name__,
+    "core_torch": core_utils.torch.__name__,
+    "numpy_seen_by_slime": initialize.np.__version__,
+    "cuda_to_cpu_kept": linear.cuda(torch.device("cpu")) is linear,
+    "buffer_device": str(core_utils.torch.zeros(2, device="cuda").device),
+    "pinned_copy": str(training.torch.empty(2, pin_memory=True).device),
+}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_started_with_the_runtime_env_runs_slime_and_megatron_on_the_cpu() -> None:
+    import slime
+
+    slime_checkout = os.path.dirname(os.path.dirname(slime.__file__))
+    env = os.environ | runtime_env_vars(slime_checkout)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=110,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["started"] == {"torch": False, "slime": False}  # sitecustomize is lazy
+    assert seen["accelerator"] == "cpu"
+    assert seen["backend"] == seen["weights_backend"] == "gloo"
+    assert seen["training_torch"] == seen["core_torch"] == "torch (CPU redirect)"
+    assert seen["numpy_seen_by_slime"] == "1.26.4"
+    assert seen["cuda_to_cpu_kept"] and seen["buffer_device"] == "cpu"
+    assert seen["pinned_copy"] == "cpu"
+
+
+@pytest.mark.timeout(120)
+def test_without_the_flag_the_same_process_is_left_alone() -> None:
+    env = os.environ | runtime_env_vars() | {"OPD_CPU_RUNTIME": "0"}
+    probe = "import sys, megatron.core.utils as u; print(u.torch.__name__)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=110,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "torch"
