@@ -50,7 +50,9 @@ class RayCluster:
 def ray_env() -> dict[str, str]:
     """This environment for Ray's nodes and drivers: token auth on when this machine has a
     token (Ray turns it on when ~/.ray/auth_token exists), no inherited cluster address."""
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    # nor the W&B service of this process (wandb puts its address in os.environ): a job's
+    # processes connecting to it collide with this process's runs ("run ID is in use")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WANDB_SERVICE")}
     token = Path.home() / ".ray/auth_token"
     if token.exists():
         env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}

@@ -42,8 +42,9 @@ def slime_dir() -> Path:
 
 
 def cpu_env() -> dict[str, str]:
-    """The environment of every process of a CPU job: the CPU runtime, slime's checkout
-    and this project importable, W&B offline."""
+    """What every process of a CPU job gets on top of tests.ray_nodes.ray_env (this
+    environment without this process's Ray address and W&B service): the CPU runtime,
+    slime's checkout and this project importable, W&B offline."""
     env = runtime_env_vars(str(slime_dir()))
     return env | {
         "WANDB_MODE": "offline",
@@ -108,7 +109,7 @@ def run(
 def convert_hf_to_torch_dist(hf_dir: Path, out: Path, log: Path) -> None:
     """slime's tools/convert_hf_to_torch_dist.py under torchrun (one process), as users
     convert their student."""
-    env = os.environ | cpu_env() | {"WORLD_SIZE": "1"}
+    env = ray_env() | cpu_env() | {"WORLD_SIZE": "1"}
     command = [
         str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "1",
         "--master-port", str(free_port()), "tools/convert_hf_to_torch_dist.py",
@@ -184,7 +185,7 @@ def convert_torch_dist_to_hf(
         "--output-dir", str(out), "--origin-hf-dir", str(origin_hf), "--vocab-size", str(vocab),
         "--force",
     ]  # fmt: skip
-    run(command, log, env=os.environ | cpu_env(), timeout_s=120, cwd=slime_dir())
+    run(command, log, env=ray_env() | cpu_env(), timeout_s=120, cwd=slime_dir())
 
 
 def megatron_logits(
@@ -194,7 +195,7 @@ def megatron_logits(
     into slime's model (tests/megatron_forward.py under torchrun): [len(prompt), vocab]."""
     import torch
 
-    env = os.environ | cpu_env() | {"WORLD_SIZE": "1"}
+    env = ray_env() | cpu_env() | {"WORLD_SIZE": "1"}
     command = [
         str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "1",
         "--master-port", str(free_port()), str(ROOT / "tests/megatron_forward.py"), str(out),

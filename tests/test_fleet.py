@@ -64,6 +64,8 @@ T = TypeVar("T")
 UID_BASE = 303_000
 UID_COUNT = 300
 SLACK_S = 2.0
+HELD_BACK = 50
+"""The 200-trajectory fault test's trajectories asked only after the host actor is killed."""
 """How far past its deadline a call may return on a loaded 2-core machine."""
 
 needs_docker = pytest.mark.skipif(daemon_problem() is not None, reason=f"{daemon_problem()}")
@@ -896,6 +898,9 @@ async def fault_run(image: str, root_dir: Path, tmp_path: Path) -> dict[str, Any
     done = 0
     running: Counter[str] = Counter()
     """Commands in flight per host."""
+    actor_dead = asyncio.Event()
+    """Set once the host actor is killed: the last HELD_BACK trajectories start then, so the
+    work after the kill is a fixed amount, whatever the faults before it drained."""
     started = time.monotonic()
 
     async def timed(record: Record, op: str, call: Any, deadline_s: float, hit: bool) -> Any:
@@ -913,6 +918,8 @@ async def fault_run(image: str, root_dir: Path, tmp_path: Path) -> dict[str, Any
         record = Record(index)
         rng = random.Random(index)
         sandbox = None
+        if index >= 200 - HELD_BACK:  # asked only once the actor is dead
+            await actor_dead.wait()
         async with gate:
             try:
                 record.asked_at = time.monotonic()
@@ -985,13 +992,20 @@ async def fault_run(image: str, root_dir: Path, tmp_path: Path) -> dict[str, Any
         os.kill(actor_pid, signal.SIGKILL)  # the host actor dies
         await until_gone(actor_pid)
         events["actor_killed"] = time.monotonic()
+        actor_dead.set()
         await reached(130)
         relay.start()  # the daemon is back
+
+    async def chaos_then_release() -> None:
+        try:
+            await chaos()
+        finally:  # a chaos step that failed must not leave the held-back work waiting
+            actor_dead.set()
 
     try:
         await fleet.open()
         gate = asyncio.Semaphore(20)
-        chaos_task = asyncio.create_task(chaos())
+        chaos_task = asyncio.create_task(chaos_then_release())
         records = await asyncio.gather(*(trajectory(i, gate) for i in range(200)))
         await asyncio.wait_for(chaos_task, 30)
         run_s = time.monotonic() - started
@@ -1077,7 +1091,9 @@ def test_200_trajectories_under_injected_faults_end_recorded_in_time_and_leave_n
     # Work went on after the actor died, elsewhere.
     after = [r for r in records if r.asked_at > events["actor_killed"]]
     assert after and all(r.host != "ray-d" for r in after)
-    assert sum(r.status == "completed" for r in after) >= 10
+    assert len(after) >= HELD_BACK
+    # about a fifth of them complete on the faulty hosts, all on the relay once it is back
+    assert sum(r.status == "completed" for r in after) >= 3
     assert metrics["creation_s"]["count"] == sum(1 for r in records if r.host)
     assert metrics["exec_latency_s"]["count"] > 300
     # Nothing of ours is left: containers and volumes by label, processes by uid and pid.
