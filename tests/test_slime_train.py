@@ -6,17 +6,19 @@ cluster of one loopback node with fake GPUs: slime's placement groups, its Rollo
 actor, Megatron-LM's argument validation, get_model, checkpoint load and save, the
 training loop, in train actors under the CPU runtime (slime_ext/cpu_runtime). The
 rollouts are replayed (`--load-debug-rollout-data`) from files written in slime's own
-format by slime's own writer, with samples made by our real generate path: slime's
-generate_and_rm_group -> our generate hook -> the SGLang stand-in serving the student ->
-the teacher service -> the python tool in its sandbox (the OPRD and SFT runs: our
-to_samples on scripted trajectories, and our pre-tokenized SFT records).
+format by slime's own writer. The per-turn OPD run's samples come from our real generate
+path: slime's generate_and_rm_group -> our generate hook -> the SGLang stand-in serving
+the student -> the teacher service -> the python tool in its sandbox. The tree-packed and
+OPRD runs' come from our to_samples on scripted trajectories (with a teacher's top-k), the
+SFT run's from our pre-tokenized records through our SFT rollout.
 
 What must hold: after 3 rollouts the job's parameters (its torch_dist checkpoint,
 converted to HF by slime's tools/convert_torch_dist_to_hf.py) equal a single-process
 reference to 1e-6: the same HF student, test_slime_real's plain-torch objective on each
 replayed sample's logits (tree-packed samples: on the same trajectories' per-turn
 samples), torch's Adam (an eps far above every gradient: the update shows the gradient's
-scale). A job whose loss is doubled is caught by the same check (the negative control).
+scale). Negative controls: a job whose loss is doubled misses the reference; a packed job
+whose trees are lost is refused.
 
 Optimizer settings are the job's `cluster.extra_train_args`, as a user would pass them.
 """
