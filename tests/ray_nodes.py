@@ -121,9 +121,8 @@ def ray_cluster(
     entry of `resources` (its custom resources), all alive before it yields; every node's
     processes (its workers too) get `node_env` on top of this environment; a cluster that
     does not form (a port taken meanwhile, a node that died starting) is killed and formed
-    again on other ports,
-    `attempts` times. `root` must be a short path: Ray's socket paths live under it (107
-    bytes)."""
+    again on other ports, `attempts` times. `root` must be a short path: Ray's socket paths
+    live under it (107 bytes)."""
     env = (
         ray_env()
         | {
@@ -160,7 +159,7 @@ def _form(
     resources: list[dict[str, float]],
     env: dict[str, str],
     ready_timeout_s: float,
-    head_resources: tuple[str, ...] = ("--num-cpus=1",),
+    head_args: tuple[str, ...] = ("--num-cpus=1",),
 ) -> None:
     """Start the head, wait for it, then the other nodes; RuntimeError with every node's
     log when they are not all alive within `ready_timeout_s`."""
@@ -172,7 +171,7 @@ def _form(
         "--head",
         "--node-ip-address=127.0.0.2",
         f"--port={gcs_port}",
-        *head_resources,
+        *head_args,
         "--include-dashboard=false",
         f"--ray-client-server-port={base + 998}",
         *_port_args(base),

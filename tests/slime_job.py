@@ -109,14 +109,22 @@ def run(
 def convert_hf_to_torch_dist(hf_dir: Path, out: Path, log: Path) -> None:
     """slime's tools/convert_hf_to_torch_dist.py under torchrun (one process), as users
     convert their student."""
-    env = ray_env() | cpu_env() | {"WORLD_SIZE": "1"}
+    torchrun_megatron(["tools/convert_hf_to_torch_dist.py"], hf_dir, ["--save", str(out)], log)
+
+
+def torchrun_megatron(
+    program: Sequence[str], hf_dir: Path, extra: Sequence[str], log: Path
+) -> None:
+    """`program` (a script and its own arguments) under torchrun, one process, in slime's
+    checkout, with the student's MODEL_ARGS, the CPU runtime's Megatron-LM settings and
+    layer spec, --hf-checkpoint and `extra`."""
     command = [
         str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "1",
-        "--master-port", str(free_port()), "tools/convert_hf_to_torch_dist.py",
-        *model_args(hf_dir), *MEGATRON_FLAGS,
+        "--master-port", str(free_port()), *program, *model_args(hf_dir), *MEGATRON_FLAGS,
         "--spec", "slime_ext.cpu_runtime.spec", "layer_spec",
-        "--hf-checkpoint", str(hf_dir), "--save", str(out),
+        "--hf-checkpoint", str(hf_dir), *extra,
     ]  # fmt: skip
+    env = ray_env() | cpu_env() | {"WORLD_SIZE": "1"}
     run(command, log, env=env, timeout_s=240, cwd=slime_dir())
 
 
@@ -141,12 +149,17 @@ def cpu_cluster(root: Path, gpus: int) -> Iterator[RayCluster]:
         yield cluster
 
 
+def driver_env(cluster: RayCluster) -> dict[str, str]:
+    """The environment of a job's driver (slime's train.py) on `cluster`."""
+    return ray_env() | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
+
+
 def train(
     cluster: RayCluster, args: Sequence[str], log: Path, *, script: str = "train.py",
     timeout_s: float = 300,
 ) -> None:  # fmt: skip
     """slime's `script` as the job's driver on `cluster`, with `args`."""
-    env = ray_env() | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
+    env = driver_env(cluster)
     run([sys.executable, script, *args], log, env=env, timeout_s=timeout_s, cwd=slime_dir())
 
 
@@ -156,11 +169,10 @@ def train_until_killed(
 ) -> None:  # fmt: skip
     """slime's train.py on `cluster`, SIGKILLed (its whole session: a lost head node's job)
     as soon as `stop()` holds; AssertionError if it ends or times out first."""
-    env = ray_env() | cpu_env() | {"RAY_ADDRESS": cluster.gcs_address}
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "train.py", *args], cwd=slime_dir(), env=env, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "train.py", *args], cwd=slime_dir(), env=driver_env(cluster),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     deadline = time.monotonic() + timeout_s
     try:
@@ -195,15 +207,8 @@ def megatron_logits(
     into slime's model (tests/megatron_forward.py under torchrun): [len(prompt), vocab]."""
     import torch
 
-    env = ray_env() | cpu_env() | {"WORLD_SIZE": "1"}
-    command = [
-        str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "1",
-        "--master-port", str(free_port()), str(ROOT / "tests/megatron_forward.py"), str(out),
-        ",".join(str(t) for t in prompt), *model_args(hf_dir), *MEGATRON_FLAGS,
-        "--spec", "slime_ext.cpu_runtime.spec", "layer_spec",
-        "--hf-checkpoint", str(hf_dir), "--load", str(save_dir),
-    ]  # fmt: skip
-    run(command, log, env=env, timeout_s=240, cwd=slime_dir())
+    program = [str(ROOT / "tests/megatron_forward.py"), str(out), ",".join(map(str, prompt))]
+    torchrun_megatron(program, hf_dir, ["--load", str(save_dir)], log)
     return torch.load(out)
 
 

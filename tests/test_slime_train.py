@@ -227,7 +227,8 @@ def reference_params(
     samples = run.samples if samples is None else samples
     model = AutoModelForCausalLM.from_pretrained(student.hf_dir, attn_implementation="eager")
     model.float().train()
-    lr = float(run.job.cluster.extra_train_args[1])  # optimizer_args: --lr first
+    extra = run.job.cluster.extra_train_args  # optimizer_args, as the job passed them
+    lr = float(extra[extra.index("--lr") + 1])
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=BETAS, eps=ADAM_EPS)
     for _ in range(ROLLOUTS):
         optimizer.zero_grad(set_to_none=False)

@@ -11,15 +11,16 @@ post-import hooks, so a process that never imports slime or Megatron pays nothin
 - slime.utils.accelerator: the CPU backend of slime's accelerator registry
   (`accelerator.CPUAccelerator`; gloo for collectives and weight updates);
 - every CUDA site of megatron-core, Megatron-LM and slime a whole job reaches, pointed at
-  the CPU (`redirects.MEGATRON_CORE_SITES`, `redirects.PROCESS_SITES`), plus
+  the CPU (`sites.MEGATRON_CORE_SITES`, `sites.PROCESS_SITES`), plus
   nn.Module.cuda(cpu) and Tensor.type()'s CUDA names (the distributed optimizer's check);
-- slime's numpy-1 assert (`redirects.NUMPY_SITE` says why);
+- slime's numpy-1 assert (`sites.NUMPY_SITE` says why);
 - fp32 parameters where slime forces bf16, and each rank loading its own checkpoint
-  shards (`redirects.DEFAULTS_SITE` says why);
+  shards (`sites.DEFAULTS_SITE` says why);
 - a fresh distributed optimizer that can take a checkpoint under torch's Adam
-  (`redirects.OPTIMIZER_LOAD_SITE`);
+  (`sites.OPTIMIZER_LOAD_SITE`);
 - slime's process-group wrapper forwarding torch 2.13's collectives
-  (`redirects.RELOADABLE_GROUP_SITE`).
+  (`sites.RELOADABLE_GROUP_SITE`).
+The hooks themselves are in `redirects`, imported only when a site loads.
 
 What slime and Megatron-LM offer as settings is used instead of a redirect where one
 exists (`SLIME_FLAGS`): Megatron's inference RNG tracker (no CUDA RNG state), no

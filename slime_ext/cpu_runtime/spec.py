@@ -1,18 +1,20 @@
 """The CPU layer spec of slime's model provider (`--spec`): a test and rehearsal aid.
 
-On CPU slime builds megatron-core's LOCAL layer (`--transformer-impl local`); two of its
-pieces cannot run slime's batches there, and are swapped through the spec (a setting slime
-offers) instead of a patch:
-- the norm under sequence parallelism (Megatron's torch norm asserts SP off; its fused
+On CPU slime builds megatron-core's LOCAL layer (`--transformer-impl local`). Through
+the spec (a setting slime offers) instead of a patch, this builds it as Transformer
+Engine's layer is built, with what the local layer cannot do on slime's batches:
+- the norms before attention and MLP fused into their first linear under TE's parameter
+  names (`NormedColumnParallelLinear`), so slime's name-based converters read the model;
+- norms under sequence parallelism (Megatron's torch norm asserts SP off; its fused
   norms, CUDA only, mark their weights so finalize_model_grads sums them over TP);
 - the core attention for slime's packed (THD) micro-batches, with context parallelism:
   Megatron's local DotProductAttention refuses packed_seq_params, and its only CP
   attention is Transformer Engine's (CUDA). This one all-gathers K/V over the CP group and
   masks by each row's sequence and global position in slime's zigzag layout.
 
-`layer_spec` is the per-turn spec (`--spec slime_ext.cpu_runtime.spec.layer_spec`);
-`tree_layer_spec` wraps our tree attention's (slime_ext.slime.tree_attention.layer_spec),
-whose core attention already takes packed trees, and swaps the norms only.
+`layer_spec` is the per-turn spec (`--spec slime_ext.cpu_runtime.spec layer_spec`);
+`tree_layer_spec` builds our tree attention's spec (slime_ext.slime.tree_attention
+layer_spec, whose core attention takes packed trees) the same way.
 """
 
 from __future__ import annotations

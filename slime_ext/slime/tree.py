@@ -103,10 +103,10 @@ def init(args: Any) -> None:
     """--custom-megatron-init-path: every extension of the training side (the trees, the
     teacher's top-k), installed on each Megatron rank."""
     global _expect_trees
-    if args is not None and getattr(args, "opd_job_config", None):
-        from slime_ext.slime.settings import load_job
+    if args is not None:
+        from slime_ext.slime.settings import config_path, load_job
 
-        _expect_trees = load_job(args.opd_job_config).algorithm.sequence_layout == "packed"
+        _expect_trees = load_job(config_path(args)).algorithm.sequence_layout == "packed"
     install_train_side()
     topk.install_train_side()
 
