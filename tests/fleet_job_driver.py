@@ -156,13 +156,13 @@ def main(spec_path: str) -> None:
     from rollout.chat import ChatRenderer
     from rollout.harness.swe import SWEHarness
     from rollout.toolcalls import ToolCall
+    from slime_ext.cpu_runtime.sglang_http import create_standin
     from slime_ext.job.config import config_from_dict
     from slime_ext.models.factory import build_checkpoint, build_tokenizer
     from teacher_server.app import create_app
     from teacher_server.hf_backend import HFBackend
     from teacher_server.metrics import ServerMetrics
     from tests.live_server import serve_in_thread
-    from tests.sglang_standin import create_standin
     from tests.slime_driver import slime_args
 
     spec = json.loads(Path(spec_path).read_text())

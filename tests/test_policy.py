@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rollout.policy import HFPolicy, SamplingParams, SGLangPolicy
+from slime_ext.cpu_runtime.sglang_http import create_standin
 from slime_ext.models.factory import build_model
 from teacher_server.api import MAX_ROUTING_KEY_LEN, ROUTING_HEADER, routing_key
 from tests.live_server import serve_in_thread
-from tests.sglang_standin import create_standin
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 PROMPT = [5, 17, 99, 230, 41, 8, 77]

@@ -20,9 +20,9 @@ from rollout.harness.base import StepOutcome
 from rollout.policy import SamplingParams, SGLangPolicy
 from rollout.runner import ENGINE_ABORT_REASON, Runner, RunnerConfig, rollout_metrics
 from rollout.trajectory import Task, TrajectoryStatus
+from slime_ext.cpu_runtime.sglang_http import StandinState, create_standin
 from slime_ext.models.factory import build_model
 from tests.live_server import serve_in_thread
-from tests.sglang_standin import StandinState, create_standin
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.timeout(120)]
 PROMPT = [5, 17, 99, 230, 41, 8, 77]

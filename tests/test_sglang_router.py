@@ -28,9 +28,9 @@ import httpx
 import pytest
 
 from rollout.policy import ROUTING_HEADER, SamplingParams, SGLangPolicy
+from slime_ext.cpu_runtime.sglang_http import StandinState, create_standin
 from slime_ext.models.factory import build_model
 from tests.live_server import free_port, serve_in_thread
-from tests.sglang_standin import StandinState, create_standin
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

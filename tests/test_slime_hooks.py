@@ -26,6 +26,7 @@ from rollout.harness.tir import TIRHarness
 from rollout.runner import Runner, RunnerConfig
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import MaskTier, Trajectory, TrajectoryStatus
+from slime_ext.cpu_runtime.sglang_http import create_standin
 from slime_ext.job.config import config_from_dict
 from slime_ext.models.factory import build_checkpoint, build_model
 from slime_ext.sft_data import read_records, turn_records, write_records
@@ -40,7 +41,6 @@ from teacher_server.app import create_app
 from teacher_server.hf_backend import HFBackend
 from teacher_server.metrics import ServerMetrics
 from tests.live_server import serve_in_thread
-from tests.sglang_standin import create_standin
 from tests.slime_driver import require_slime, rollout_manager, slime_args
 from tests.test_runner import REPLIES, TASKS, ScriptedPolicy
 

@@ -28,6 +28,7 @@ from rollout.trajectory import (
     read_jsonl,
     write_jsonl,
 )
+from slime_ext.cpu_runtime.sglang_http import create_standin
 from slime_ext.models.factory import build_model
 from slime_ext.sft_data import read_records
 from slime_ext.slime.samples import METADATA_KEY
@@ -40,7 +41,6 @@ from slime_ext.ssd import (
     summarize_trajectories,
 )
 from tests.live_server import serve_in_thread
-from tests.sglang_standin import create_standin
 from tests.slime_driver import sample_class
 from tests.test_runner import REPLIES, TASKS, ScriptedPolicy
 

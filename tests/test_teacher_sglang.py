@@ -1,5 +1,6 @@
-"""The sglang backend against a stand-in of SGLang's /generate (tests/sglang_standin.py),
-and against real SGLang when it is installed with a GPU (skipped otherwise)."""
+"""The sglang backend against a stand-in of SGLang's /generate
+(slime_ext/cpu_runtime/sglang_http.py), and against real SGLang when it is installed with a
+GPU (skipped otherwise)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slime_ext.cpu_runtime.sglang_http import create_standin
 from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ROUTING_HEADER, ScoreItem, routing_key
 from teacher_server.app import create_app
@@ -23,7 +25,6 @@ from teacher_server.client import TeacherClient, TeacherError
 from teacher_server.metrics import ServerMetrics
 from teacher_server.sglang_backend import SGLangBackend
 from tests.live_server import serve_in_thread
-from tests.sglang_standin import create_standin
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -4,8 +4,10 @@ rehearsal aid (slime_ext.cpu_runtime installs them in each of slime's processes)
 sglang (its wheel fails to import against a CPU torch), sglang_router (when not
 installed), torch_memory_saver (a CUDA allocator hook) and, where Megatron-LM's training
 package is absent, `megatron.training`. Every attribute is a placeholder that can be
-imported, subclassed and assigned to, and raises StandInCalled when called: nothing of
-them is restated, and a run that reaches one fails loudly, naming it.
+imported, subclassed and assigned to, and raises StandInCalled when called, so a run that
+reaches one fails loudly, naming it; except the part of SGLang's API that slime's engine
+and weight senders use, which `sglang_api` restates (`SGLANG_API` lists where each name
+goes).
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from typing import Any
 
 STAND_IN_ROOTS = ("sglang", "sglang_router", "torch_memory_saver", "megatron.training")
 """Packages that get import-only stand-ins when the real one cannot be imported."""
+SGLANG_API = {
+    "sglang.srt.server_args": ("ServerArgs",),
+    "sglang.srt.utils": ("kill_process_tree", "MultiprocessingSerializer"),
+    "sglang.srt.utils.patch_torch": ("monkey_patch_torch_reductions",),
+    "sglang.srt.weight_sync.tensor_bucket": ("FlattenedTensorBucket", "FlattenedTensorMetadata"),
+    "sglang.srt.entrypoints.http_server": ("launch_server",),
+}
+"""The stand-in sglang modules that carry sglang_api's restated names."""
 
 
 class StandInCalled(RuntimeError):
@@ -76,7 +86,12 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        return None
+        names = SGLANG_API.get(module.__name__, ())
+        if names:
+            from slime_ext.cpu_runtime import sglang_api
+
+            for name in names:
+                setattr(module, name, getattr(sglang_api, name))
 
 
 def _importable(name: str) -> bool:

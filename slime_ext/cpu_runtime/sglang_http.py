@@ -1,5 +1,7 @@
-"""A stand-in for SGLang's HTTP API, for tests where SGLang cannot run (it needs a CUDA
-torch). It restates SGLang 0.5.23 (python/sglang/srt/entrypoints/http_server.py,
+"""A stand-in for SGLang's HTTP API, where SGLang cannot run (it needs a CUDA torch): a
+TEST AND REHEARSAL AID. Tests serve it in-process (`create_standin`); as an engine of a
+whole job it is what `sglang_api.launch_server` serves, with the weight-update routes of
+`sglang_engine`. It restates SGLang 0.5.23 (python/sglang/srt/entrypoints/http_server.py,
 entrypoints/v1_loads.py, managers/tokenizer_manager.py, managers/scheduler.py,
 managers/schedule_batch.py; earlier 0.5 releases answer the same shapes):
 
@@ -24,6 +26,10 @@ managers/schedule_batch.py; earlier 0.5 releases answer the same shapes):
   "message": "Abort in waiting queue"} and no tokens (earlier releases: "Abort before
   prefill", without output_ids). A rid the server does not know is ignored; a known one
   aborts every request whose rid starts with it (the scheduler's prefix match).
+- POST /pause_generation (SGLang's default mode, "abort"): every running and waiting
+  request is aborted as by /abort_request, and requests that arrive wait until POST
+  /continue_generation. GET or POST /flush_cache: 200 "Cache flushed..." with no request
+  running or waiting (the prefix cache is emptied), 400 otherwise (slime retries it).
 - GET /v1/loads (the `core` section slime's abort loop polls), /health and
   /health_generate (200, no body), /model_info and /server_info with their deprecated
   /get_* aliases (what the SGLang router reads when it registers a worker: a subset of
@@ -72,6 +78,12 @@ class StandinState:
     waiting: dict[str, GenerateRequest] = field(default_factory=dict)
     received_headers: list[dict[str, str]] = field(default_factory=list)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    paused: bool = False
+    prefix_cache: list[list[int]] = field(default_factory=list)
+    """Prompts scored so far (what `cached_tokens` counts against; /flush_cache empties)."""
+    weight_version: str = "default"
+    released: set[str] = field(default_factory=set)
+    """Memory released by /release_memory_occupation ("weights", "kv_cache")."""
 
     def tokens_so_far(self) -> dict[str, int]:
         """Tokens each running request has produced (read from another thread)."""
@@ -80,6 +92,7 @@ class StandinState:
     async def admit(self, request: GenerateRequest) -> bool:
         """Wait for a running slot; False when the request was aborted while it waited."""
         async with self.changed:
+            await self.changed.wait_for(lambda: not self.paused)
             self.waiting[request.rid] = request
             await self.changed.wait_for(lambda: request.to_abort or self._has_slot())
             del self.waiting[request.rid]
@@ -103,6 +116,30 @@ class StandinState:
                     request.to_abort = True
             self.changed.notify_all()
 
+    async def unpaused(self) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self.paused)
+
+    async def pause(self) -> None:
+        """Mode "abort": abort everything in flight, hold what arrives, until resumed."""
+        async with self.changed:
+            self.paused = True
+        await self.abort("", abort_all=True)
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self.running and not self.waiting)
+
+    async def resume(self) -> None:
+        async with self.changed:
+            self.paused = False
+            self.changed.notify_all()
+
+    def flush(self) -> bool:
+        """Empty the prefix cache; False (nothing done) while requests run or wait."""
+        if self.running or self.waiting:
+            return False
+        self.prefix_cache.clear()
+        return True
+
     def _has_slot(self) -> bool:
         limit = self.max_running_requests
         return limit is None or len(self.running) < limit
@@ -116,11 +153,13 @@ def create_standin(
     model_path: str = "standin",
     token_delay_s: float = 0.0,
     max_running_requests: int | None = None,
+    server_args: dict[str, Any] | None = None,
 ) -> FastAPI:
+    """The stand-in serving `model`; `server_args` (the engine's ServerArgs as a dict) go
+    into /server_info as SGLang reports them."""
     app = FastAPI()
     state = StandinState(max_running_requests=max_running_requests)
     app.state.standin = state
-    seen: list[list[int]] = []
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -136,13 +175,14 @@ def create_standin(
             "tokenizer_path": model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": state.weight_version,
         }
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         return {
+            **(server_args or {}),
             "model_path": model_path,
             "tokenizer_path": model_path,
             "served_model_name": model_path,
@@ -196,6 +236,22 @@ def create_standin(
         await state.abort(body.get("rid") or "", bool(body.get("abort_all", False)))
         return Response(status_code=200)
 
+    @app.post("/pause_generation")
+    async def pause_generation() -> dict[str, str]:
+        await state.pause()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict[str, str]:
+        await state.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if state.flush():
+            return Response("Cache flushed.\n", status_code=200)
+        return Response("Flush cache failed.\n", status_code=400)
+
     @app.get("/standin/headers")
     async def headers() -> list[dict[str, str]]:
         return state.received_headers
@@ -206,6 +262,12 @@ def create_standin(
         state.received_headers.append(dict(request.headers))
         ids: list[int] = body["input_ids"]
         params = body.get("sampling_params", {})
+        if state.released:  # SGLang would touch freed memory: refused here, loudly
+            message = (
+                f"memory released ({', '.join(sorted(state.released))}): "
+                "/resume_memory_occupation before /generate"
+            )
+            return JSONResponse({"error": {"message": message}}, status_code=503)
         if len(ids) >= context_length:
             message = (
                 f"The input ({len(ids)} tokens) is longer than the model's context length "
@@ -216,9 +278,11 @@ def create_standin(
             running = GenerateRequest(rid=body.get("rid") or uuid.uuid4().hex)
             return_logprob = bool(body.get("return_logprob", False))
             if not await state.admit(running):
-                return _aborted_while_waiting(running.rid, return_logprob)
+                return _aborted_while_waiting(running.rid, return_logprob, state.weight_version)
             try:
-                return await _generate(model, ids, params, running, return_logprob, token_delay_s)
+                answer = await _generate(model, ids, params, running, return_logprob, token_delay_s)
+                answer["meta_info"]["weight_version"] = state.weight_version
+                return answer
             finally:
                 await state.finish(running)
         start: int = body.get("logprob_start_len", -1)
@@ -230,9 +294,10 @@ def create_standin(
                 "logprob_start_len."
             )
             return JSONResponse({"error": {"message": message}}, status_code=400)
-        cached = max((common_prefix_len(ids, old) for old in seen), default=0)
+        await state.unpaused()
+        cached = max((common_prefix_len(ids, old) for old in state.prefix_cache), default=0)
         cached = min(cached, max(start, 0), len(ids) - 1)
-        seen.append(ids)
+        state.prefix_cache.append(ids)
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids])).logits[0].float()
         logprobs = torch.log_softmax(logits, dim=-1)  # prompt log-probs: no temperature
@@ -253,6 +318,7 @@ def create_standin(
             "prompt_tokens": len(ids),
             "completion_tokens": 0,
             "cached_tokens": cached,
+            "weight_version": state.weight_version,
             "input_token_logprobs": token_entries,
             "output_token_logprobs": [],
         }
@@ -310,11 +376,11 @@ async def _generate(
     return {"text": "", "output_ids": list(output), "meta_info": meta}
 
 
-def _aborted_while_waiting(rid: str, return_logprob: bool) -> dict[str, Any]:
+def _aborted_while_waiting(rid: str, return_logprob: bool, weight_version: str) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": dict(ABORTED_WAITING),
-        "weight_version": "default",
+        "weight_version": weight_version,
         "completion_tokens": 0,
     }
     if return_logprob:
