@@ -434,6 +434,8 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     ]  # fmt: skip
     if layout.colocate:
         args.append("--colocate")
+    else:
+        args += ["--rollout-num-gpus", str(layout.rollout_gpus)]
     args += [
         "--hf-checkpoint", job.model.student,
         "--ref-load", str(cluster.megatron_checkpoint),

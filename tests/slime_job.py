@@ -140,11 +140,13 @@ def save_replay(directory: Path, rollouts: Sequence[Sequence[Any]]) -> str:
 
 
 @contextmanager
-def cpu_cluster(root: Path, gpus: int) -> Iterator[RayCluster]:
+def cpu_cluster(root: Path, gpus: int, env: dict[str, str] | None = None) -> Iterator[RayCluster]:
     """One loopback Ray node with `gpus` fake GPUs (and CPUs beyond the cores: slime asks a
-    CPU per GPU bundle and one per helper actor), its processes under the CPU runtime."""
+    CPU per GPU bundle and one per helper actor), its processes under the CPU runtime and
+    `env`."""
+    node_env = cpu_env() | (env or {})
     with ray_cluster(
-        root, [], head_args=(f"--num-gpus={gpus}", "--num-cpus=16"), node_env=cpu_env()
+        root, [], head_args=(f"--num-gpus={gpus}", "--num-cpus=16"), node_env=node_env
     ) as cluster:
         yield cluster
 

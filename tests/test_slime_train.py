@@ -95,16 +95,22 @@ class Student:
 
 @pytest.fixture(scope="module")
 def student(tmp_path_factory: pytest.TempPathFactory) -> Student:
-    """The tiny factory student, and its torch_dist checkpoint by slime's converter."""
-    root = tmp_path_factory.mktemp("student")
+    return make_student(tmp_path_factory.mktemp("student"))
+
+
+def make_student(root: Path, vocab: int | None = PADDED_VOCAB) -> Student:
+    """The tiny factory student, its embedding padded to `vocab` rows (None: one row per
+    token), and its torch_dist checkpoint by slime's converter."""
     hf_dir = build_checkpoint("qwen3-tiny", root / "hf", seed=3)
-    # as real checkpoints are (Qwen3's 151,936 rows for 151,669 tokens): the embedding
-    # already a multiple of what Megatron pads to (128 x TP), so no row exists on one side only
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
-    model.resize_token_embeddings(PADDED_VOCAB, mean_resizing=False)
-    model.save_pretrained(hf_dir)
+    if vocab is not None:
+        # as real checkpoints are (Qwen3's 151,936 rows for 151,669 tokens): the embedding
+        # already a multiple of what Megatron pads to (128 x TP), so no row exists on one
+        # side only
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+        model.save_pretrained(hf_dir)
     slime_job.convert_hf_to_torch_dist(hf_dir, root / "torch_dist", root / "convert.log")
-    return Student(hf_dir, root / "torch_dist", PADDED_VOCAB)
+    return Student(hf_dir, root / "torch_dist", model.config.vocab_size)
 
 
 @dataclass
@@ -125,15 +131,19 @@ def job_for(
     colocate: bool = True,
     lr: float = LR["opd"],
     save_every_steps: int = 10,
+    teacher: dict[str, Any] | None = None,
     **settings: Any,
 ) -> JobConfig:
-    """test_slime_real's job of `recipe` for this student on TP x CP x DP, the optimizer
-    settings passed as a user passes extra slime arguments."""
+    """test_slime_real's job of `recipe` for this student on TP x CP x DP (`teacher` in
+    place of its teacher section), the optimizer settings passed as a user passes extra
+    slime arguments."""
     tp, cp, dp = layout
     data = job_dict(recipe, directory, optimizer_args(lr), settings or None)
     data["model"]["student"] = str(student.hf_dir)
+    data["teacher"] = teacher or data["teacher"]
     data["parallel"] |= {
         "gpus_per_node": tp * cp * dp, "tp": tp, "cp": cp, "colocate": colocate,
+        **({} if colocate else {"rollout_gpus": 1}),
         # two or three samples a micro-batch: slime's DP schedule cannot split one-sample
         # micro-batches evenly over DP 2 (test_megatron_step's MAX_TOKENS_PER_GPU)
         "max_tokens_per_gpu": 640,

@@ -25,13 +25,19 @@ utils/common.py `init_custom_process_group`):
 
 Replies are SGLang's {"success": bool, "message": str}, 400 on failure. A name the model
 does not have, or a shape that differs, fails the whole update and changes nothing.
+
+With $OPD_STANDIN_PROBE_LOG set, every update appends one JSON line to that file: the
+engine's url, the new weight version and the top-k log-probs of PROBE_IDS under the new
+weights (what tests and rehearsals compare with the trainer's model).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,6 +64,10 @@ from slime_ext.cpu_runtime.sglang_http import StandinState, create_standin
 logger = logging.getLogger(__name__)
 GROUP_TIMEOUT = timedelta(minutes=10)
 MEMORY_TAGS = ("weights", "kv_cache")
+PROBE_LOG_ENV = "OPD_STANDIN_PROBE_LOG"
+PROBE_IDS = (5, 17, 99, 230, 31, 7)
+"""A fixed prompt (ids every test tokenizer has) scored after each update."""
+PROBE_TOP_K = 5
 
 
 class WeightUpdateError(ValueError):
@@ -67,8 +77,8 @@ class WeightUpdateError(ValueError):
 class EngineWeights:
     """The served model's parameters and the process groups that update them."""
 
-    def __init__(self, model: torch.nn.Module, state: StandinState) -> None:
-        self.model, self.state = model, state
+    def __init__(self, model: torch.nn.Module, state: StandinState, url: str = "") -> None:
+        self.model, self.state, self.url = model, state, url
         self.groups: dict[str, dist.ProcessGroup] = {}
 
     def join(
@@ -131,6 +141,19 @@ class EngineWeights:
                 params[name].copy_(tensor)
         if version is not None:
             self.state.weight_version = version
+        if os.environ.get(PROBE_LOG_ENV):
+            self._probe(Path(os.environ[PROBE_LOG_ENV]))
+
+    def _probe(self, log: Path) -> None:
+        with torch.no_grad():
+            logits = self.model(torch.tensor([PROBE_IDS])).logits[0].float()
+        top = torch.log_softmax(logits, dim=-1).topk(PROBE_TOP_K)
+        line = {
+            "url": self.url, "weight_version": self.state.weight_version,
+            "values": top.values.tolist(), "indices": top.indices.tolist(),
+        }  # fmt: skip
+        with log.open("a") as out:
+            out.write(json.dumps(line) + "\n")
 
 
 def decode_tensors(
@@ -278,7 +301,8 @@ def create_engine(model: Any, server_args: ServerArgs) -> FastAPI:
         max_running_requests=server_args.max_running_requests,
         server_args=dataclasses.asdict(server_args),
     )  # fmt: skip
-    add_weight_routes(app, EngineWeights(model, app.state.standin))
+    weights = EngineWeights(model, app.state.standin, server_args.url())
+    add_weight_routes(app, weights)
     return app
 
 

@@ -79,6 +79,9 @@ class ParallelConfig(Section):
     """SGLang rollout engines share the training GPUs (slime's --colocate)."""
     rollout_gpus_per_engine: int | None = Field(default=None, ge=1)
     """GPUs per SGLang rollout engine (slime's --rollout-num-gpus-per-engine); default tp."""
+    rollout_gpus: int | None = Field(default=None, ge=1)
+    """With colocate: false, the GPUs of the SGLang rollout engines, on top of the training
+    GPUs (slime's --rollout-num-gpus); required then, and only then."""
 
     @property
     def world_size(self) -> int:
@@ -109,6 +112,16 @@ class ParallelConfig(Section):
                 f"{self.dp * model_parallel} GPUs, but num_nodes x gpus_per_node = "
                 f"{self.num_nodes} x {self.gpus_per_node} = {self.world_size}: set dp to "
                 f"{self.world_size // model_parallel} or omit it"
+            )
+        if not self.colocate and self.rollout_gpus is None:
+            raise ValueError(
+                "colocate: false puts the rollout engines on GPUs of their own: set "
+                "rollout_gpus (slime's --rollout-num-gpus), or colocate: true"
+            )
+        if self.colocate and self.rollout_gpus is not None:
+            raise ValueError(
+                "rollout_gpus is for colocate: false (colocated engines use the training "
+                "GPUs): remove it, or set colocate: false"
             )
         experts = self.ep * self.etp
         dense = self.world_size // self.pp

@@ -120,6 +120,7 @@ PLAN_DERIVED: dict[str, str] = {
     "--actor-num-gpus-per-node": "parallel.gpus_per_node",
     "--rollout-num-gpus-per-engine": "parallel.rollout_gpus_per_engine",
     "--colocate": "parallel.colocate",
+    "--rollout-num-gpus": "parallel.rollout_gpus",
     "--tensor-model-parallel-size": "parallel.tp",
     "--context-parallel-size": "parallel.cp",
     "--pipeline-model-parallel-size": "parallel.pp",
