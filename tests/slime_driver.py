@@ -72,8 +72,8 @@ def slime_args(
             setattr(args, key, value)
     finally:
         sys.argv = saved_argv
-    # slime's SGLang arguments are parsed by sglang's ServerArgs (a CPU stand-in here):
-    # the ones the rollout side reads, at slime's defaults (backends/sglang_utils/arguments.py)
+    # slime's SGLang arguments, which its own parser takes from sglang's ServerArgs (here
+    # cpu_runtime.sglang_api's): the ones the rollout side reads, at slime's defaults
     args.sglang_server_concurrency, args.sglang_dp_size = 512, None
     args.opd_job_config = str(path)
     args.tensor_model_parallel_size, args.context_parallel_size = tp, cp
