@@ -18,6 +18,7 @@ import asyncio
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,16 @@ def routed_sessions(router: str, urls: list[str]) -> dict[str, list[int]]:
     return counts
 
 
+def wait_for_workers(router: str, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{router}/workers", timeout=10).json()["workers"]
+        if sum(bool(w.get("is_healthy", True)) for w in workers) >= count:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{router} did not register {count} workers")
+
+
 def generate_in_background(url: str, out: dict[str, Any]) -> threading.Thread:
     """A long generation that a pause must abort."""
 
@@ -172,6 +183,15 @@ def main(spec: dict[str, Any], out_path: Path) -> None:
     )
     observed["urls"] = urls
     observed["sessions"] = routed_sessions(router, urls)
+    # the negative control: a router whose policy ignores the routing key splits them
+    args.router_policy, args.sglang_router_ip = "round_robin", None
+    ip, port = _start_router(args, force_new=True)
+    for url in urls:
+        httpx.post(f"http://{ip}:{port}/workers", json={"url": url}, timeout=30)
+    wait_for_workers(f"http://{ip}:{port}", len(urls))
+    for url in urls:
+        httpx.post(f"{url}/standin/headers/clear", timeout=10)
+    observed["sessions_round_robin"] = routed_sessions(f"http://{ip}:{port}", urls)
 
     # slime's external-engine check reads /server_info
     external = slime_engine_args(spec["hf_dir"], external=True)

@@ -62,6 +62,10 @@ def test_engines_register_with_the_router_and_keep_each_trajectory_on_one(
     for session, counts in sessions.items():
         assert sorted(counts) == [0, 3], f"{session}'s turns were split: {counts}"
     assert all(any(counts[i] for counts in sessions.values()) for i in range(2))
+    # the negative control: a router that ignores the routing key splits trajectories (each
+    # one by chance kept whole 1 time in 4: all 8 kept, 1 run in 65,536)
+    split = {k: v for k, v in observed["sessions_round_robin"].items() if k.startswith("task-")}
+    assert len(split) == 8 and any(0 not in counts for counts in split.values()), split
 
 
 def test_weights_from_every_transport_reach_the_engine_exactly(observed: dict[str, Any]) -> None:

@@ -173,7 +173,10 @@ def test_train_py_disaggregated_closes_the_loop_and_the_engine_follows_the_train
     assert probe_gap(by_version["1"], probe(student.hf_dir)) < MATCH
     # the steps moved the weights: an engine that kept the first ones would fail below
     assert probe_gap(by_version[str(ROLLOUTS + 1)], probe(student.hf_dir)) > 1e-3
+    trainer = [probe(directory / "hf" / f"rollout_{r}") for r in range(ROLLOUTS)]
     for rollout_id in range(ROLLOUTS):
-        trainer = probe(directory / "hf" / f"rollout_{rollout_id}")
-        gap = probe_gap(by_version[str(rollout_id + 2)], trainer)
+        gap = probe_gap(by_version[str(rollout_id + 2)], trainer[rollout_id])
         assert gap < MATCH, (rollout_id, gap)
+    # the negative control of the check: an engine one update behind is caught every step
+    for rollout_id in range(1, ROLLOUTS):
+        assert probe_gap(by_version[str(rollout_id + 2)], trainer[rollout_id - 1]) > 1e-3

@@ -35,7 +35,8 @@ managers/schedule_batch.py; earlier 0.5 releases answer the same shapes):
   /get_* aliases (what the SGLang router reads when it registers a worker: a subset of
   the fields), /v1/models (ModelList).
 
-Test-only: GET /standin/headers (the headers of each /generate), and `app.state.standin`
+Test-only: GET /standin/headers (the headers of each /generate; POST
+/standin/headers/clear forgets them), and `app.state.standin`
 (a `StandinState`: what runs and waits now, for tests in the same process).
 """
 
@@ -255,6 +256,10 @@ def create_standin(
     @app.get("/standin/headers")
     async def headers() -> list[dict[str, str]]:
         return state.received_headers
+
+    @app.post("/standin/headers/clear")
+    async def clear_headers() -> None:
+        state.received_headers.clear()
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
