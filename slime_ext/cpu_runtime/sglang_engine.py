@@ -207,6 +207,19 @@ async def _run(action: Any, done: str, *args: Any, then: Any = None) -> JSONResp
     return _answer(True, done)
 
 
+async def _update(
+    weights: EngineWeights, body: dict[str, Any], produce: Any, done: str, *args: Any
+) -> JSONResponse:
+    """An update: the tensors `produce(*args)` gives loaded, then (unless the request says
+    not to) the prefix cache flushed, as SGLang does."""
+    answer = await _run(
+        produce, done, *args, then=lambda named: weights.load(named, body.get("weight_version"))
+    )
+    if body.get("flush_cache", True):
+        weights.state.flush()
+    return answer
+
+
 def add_weight_routes(app: FastAPI, weights: EngineWeights) -> None:
     """The weight-update, memory and version routes (the module docstring lists them)."""
     state = weights.state
@@ -234,35 +247,21 @@ def add_weight_routes(app: FastAPI, weights: EngineWeights) -> None:
             body["names"], body["dtypes"], body["shapes"],
             body.get("group_name", "weight_update_group"), body.get("load_format"),
         )  # fmt: skip
-        answer = await _run(
-            weights.receive, "Succeeded to update parameter online.", *args,
-            then=lambda named: weights.load(named, body.get("weight_version")),
-        )  # fmt: skip
-        if body.get("flush_cache", True):
-            state.flush()
-        return answer
+        return await _update(
+            weights, body, weights.receive, "Succeeded to update parameter online.", *args
+        )
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
         body = await request.json()
-        answer = await _run(
-            decode_tensors, "Success", body["serialized_named_tensors"], body.get("load_format"),
-            then=lambda named: weights.load(named, body.get("weight_version")),
-        )  # fmt: skip
-        if body.get("flush_cache", True):
-            state.flush()
-        return answer
+        args = (body["serialized_named_tensors"], body.get("load_format"))
+        return await _update(weights, body, decode_tensors, "Success", *args)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body = await request.json()
         done = "Succeeded to update model weights."
-        answer = await _run(
-            read_checkpoint, done, body["model_path"],
-            then=lambda named: weights.load(named, body.get("weight_version")),
-        )  # fmt: skip
-        state.flush()
-        return answer
+        return await _update(weights, body, read_checkpoint, done, body["model_path"])
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request) -> None:
