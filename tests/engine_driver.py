@@ -27,9 +27,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-PROMPT = [5, 17, 99, 230, 31, 7]
-TOP_K = 5
+from slime_ext.cpu_runtime.sglang_engine import PROBE_IDS, PROBE_TOP_K, top_logprobs
+
 ENGINES = 2
+TopK = dict[str, list[list[Any]]]
+"""Top-k log-probs by position: {"values": [[float]], "indices": [[int]]}."""
 
 
 def slime_engine_args(hf_dir: str, *, external: bool = False) -> argparse.Namespace:
@@ -53,35 +55,33 @@ def slime_engine_args(hf_dir: str, *, external: bool = False) -> argparse.Namesp
     return args
 
 
-def scored(url: str) -> list[list[list[float]]]:
-    """The engine's top-k prompt log-probs of PROMPT (its current weights)."""
+def scored(url: str) -> TopK:
+    """The engine's top-k prompt log-probs of PROBE_IDS (its current weights), by the
+    position that predicts each token (SGLang's entry 0 has none)."""
     body = {
-        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": TOP_K,
+        "input_ids": list(PROBE_IDS), "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": PROBE_TOP_K,
     }  # fmt: skip
     meta = httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]
-    return [[[v, i] for v, i, _ in row] for row in meta["input_top_logprobs"][1:]]
+    rows = meta["input_top_logprobs"][1:]
+    return {
+        "values": [[v for v, _, _ in row] for row in rows],
+        "indices": [[i for _, i, _ in row] for row in rows],
+    }
 
 
-def local_scored(model: Any) -> list[list[list[float]]]:
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), -1)
-    rows = []
-    for position in range(len(PROMPT) - 1):
-        top = logprobs[position].topk(TOP_K)
-        rows.append([[float(v), int(i)] for v, i in zip(top.values, top.indices, strict=True)])
-    return rows
+def local_scored(model: Any) -> TopK:
+    """The same of `model` in this process (its last position predicts nothing scored)."""
+    top = top_logprobs(model)
+    return {key: rows[:-1] for key, rows in top.items()}
 
 
-def gap(engine: list[list[list[float]]], local: list[list[list[float]]]) -> float:
+def gap(engine: TopK, local: TopK) -> float:
     """Largest difference of top-k log-probs (inf where the top-k ids differ)."""
-    worst = 0.0
-    for engine_row, local_row in zip(engine, local, strict=True):
-        if [i for _, i in engine_row] != [i for _, i in local_row]:
-            return float("inf")
-        pairs = zip(engine_row, local_row, strict=True)
-        worst = max(worst, *(abs(a - b) for (a, _), (b, _) in pairs))
-    return worst
+    if engine["indices"] != local["indices"]:
+        return float("inf")
+    rows = zip(engine["values"], local["values"], strict=True)
+    return max(abs(a - b) for row, ref in rows for a, b in zip(row, ref, strict=True))
 
 
 def perturbed(model: Any, seed: int) -> Any:
@@ -134,7 +134,7 @@ def generate_in_background(url: str, out: dict[str, Any]) -> threading.Thread:
     """A long generation that a pause must abort."""
 
     def run() -> None:
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400}}
+        body = {"input_ids": list(PROBE_IDS), "sampling_params": {"max_new_tokens": 400}}
         out["answer"] = httpx.post(f"{url}/generate", json=body, timeout=120).json()
 
     thread = threading.Thread(target=run)
@@ -256,7 +256,7 @@ def main(spec: dict[str, Any], out_path: Path) -> None:
 
     # memory released: generation and weight updates refused until resumed
     ray.get(engines[0].release_memory_occupation.remote(), timeout=60)
-    refused = httpx.post(f"{urls[0]}/generate", json={"input_ids": PROMPT}, timeout=30)
+    refused = httpx.post(f"{urls[0]}/generate", json={"input_ids": list(PROBE_IDS)}, timeout=30)
     observed["generate_while_released"] = refused.status_code
     perturbed(model, seed=3)
     checkpoint = Path(spec["directory"]) / "v3"

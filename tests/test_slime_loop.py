@@ -21,12 +21,10 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 import yaml
@@ -35,10 +33,11 @@ from transformers import AutoModelForCausalLM
 from launch.plan import train_args
 from rollout.tasks.arithmetic import make_tasks
 from slime_ext.cpu_runtime import SLIME_FLAGS
-from slime_ext.cpu_runtime.sglang_engine import PROBE_IDS, PROBE_LOG_ENV, PROBE_TOP_K
+from slime_ext.cpu_runtime.sglang_engine import PROBE_LOG_ENV, top_logprobs
 from slime_ext.models.factory import build_checkpoint
 from tests import slime_job
-from tests.live_server import free_port
+from tests.engine_driver import TopK, gap
+from tests.live_server import free_port, wait_until_healthy
 from tests.test_slime_train import Student, job_for, make_student
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -68,14 +67,7 @@ def teacher_service(model_dir: Path, log: Path) -> Iterator[str]:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the teacher did not start:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
+        wait_until_healthy(url, process, log)
         yield url
     finally:
         process.kill()
@@ -122,22 +114,11 @@ def rollout_metric(log: Path, key: str) -> list[float]:
     return [found[k] for k in sorted(found)]
 
 
-def probe(model_dir: Path) -> tuple[list[list[float]], list[list[int]]]:
+def probe(model_dir: Path) -> TopK:
+    """The trainer's side of the engine's probe: the checkpoint's top-k log-probs of
+    PROBE_IDS."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([PROBE_IDS])).logits[0].float()
-    top = torch.log_softmax(logits, dim=-1).topk(PROBE_TOP_K)
-    return top.values.tolist(), top.indices.tolist()
-
-
-def probe_gap(engine: dict[str, Any], trainer: tuple[list[list[float]], list[list[int]]]) -> float:
-    values, indices = trainer
-    if engine["indices"] != indices:
-        return float("inf")
-    return max(
-        abs(a - b) for row, ref in zip(engine["values"], values, strict=True)
-        for a, b in zip(row, ref, strict=True)
-    )  # fmt: skip
+    return top_logprobs(model)
 
 
 @pytest.mark.timeout(600)
@@ -170,13 +151,13 @@ def test_train_py_disaggregated_closes_the_loop_and_the_engine_follows_the_train
     lines = [json.loads(line) for line in probes.read_text().splitlines()]
     by_version = {line["weight_version"]: line for line in lines}
     assert sorted(by_version, key=int) == [str(v) for v in range(1, ROLLOUTS + 2)]
-    assert probe_gap(by_version["1"], probe(student.hf_dir)) < MATCH
+    assert gap(by_version["1"], probe(student.hf_dir)) < MATCH
     # the steps moved the weights: an engine that kept the first ones would fail below
-    assert probe_gap(by_version[str(ROLLOUTS + 1)], probe(student.hf_dir)) > 1e-3
+    assert gap(by_version[str(ROLLOUTS + 1)], probe(student.hf_dir)) > 1e-3
     trainer = [probe(directory / "hf" / f"rollout_{r}") for r in range(ROLLOUTS)]
     for rollout_id in range(ROLLOUTS):
-        gap = probe_gap(by_version[str(rollout_id + 2)], trainer[rollout_id])
-        assert gap < MATCH, (rollout_id, gap)
+        error = gap(by_version[str(rollout_id + 2)], trainer[rollout_id])
+        assert error < MATCH, (rollout_id, error)
     # the negative control of the check: an engine one update behind is caught every step
     for rollout_id in range(1, ROLLOUTS):
-        assert probe_gap(by_version[str(rollout_id + 2)], trainer[rollout_id - 1]) > 1e-3
+        assert gap(by_version[str(rollout_id + 2)], trainer[rollout_id - 1]) > 1e-3

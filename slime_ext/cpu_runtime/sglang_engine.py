@@ -38,6 +38,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -115,10 +116,7 @@ class EngineWeights:
             bucket = _empty_bucket(names, dtypes, shapes)
             dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
             return bucket.reconstruct_tensors()
-        received = [
-            (name, torch.empty(shape, dtype=getattr(torch, dtype)))
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
-        ]
+        received = _empty_tensors(names, dtypes, shapes)
         for handle in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in received]:
             handle.wait()
         return received
@@ -145,15 +143,18 @@ class EngineWeights:
             self._probe(Path(os.environ[PROBE_LOG_ENV]))
 
     def _probe(self, log: Path) -> None:
-        with torch.no_grad():
-            logits = self.model(torch.tensor([PROBE_IDS])).logits[0].float()
-        top = torch.log_softmax(logits, dim=-1).topk(PROBE_TOP_K)
-        line = {
-            "url": self.url, "weight_version": self.state.weight_version,
-            "values": top.values.tolist(), "indices": top.indices.tolist(),
-        }  # fmt: skip
+        line = {"url": self.url, "weight_version": self.state.weight_version}
         with log.open("a") as out:
-            out.write(json.dumps(line) + "\n")
+            out.write(json.dumps(line | top_logprobs(self.model)) + "\n")
+
+
+def top_logprobs(model: Any, ids: Sequence[int] = PROBE_IDS) -> dict[str, list[list[Any]]]:
+    """The PROBE_TOP_K largest next-token log-probs of `model` at every position of `ids`:
+    {"values": [[float]], "indices": [[int]]}, one row per position."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)])).logits[0].float()
+    top = torch.log_softmax(logits, dim=-1).topk(PROBE_TOP_K)
+    return {"values": top.values.tolist(), "indices": top.indices.tolist()}
 
 
 def decode_tensors(
@@ -179,14 +180,20 @@ def read_checkpoint(model_path: str) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def _empty_bucket(
+def _empty_tensors(
     names: list[str], dtypes: list[str], shapes: list[list[int]]
-) -> FlattenedTensorBucket:
-    tensors = [
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive buffers for the tensors a request announces."""
+    return [
         (name, torch.empty(shape, dtype=getattr(torch, dtype)))
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
     ]
-    return FlattenedTensorBucket(named_tensors=tensors)
+
+
+def _empty_bucket(
+    names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> FlattenedTensorBucket:
+    return FlattenedTensorBucket(named_tensors=_empty_tensors(names, dtypes, shapes))
 
 
 def _answer(success: bool, message: str) -> JSONResponse:
