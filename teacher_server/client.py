@@ -72,8 +72,10 @@ class TeacherClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = base_url.rstrip("/")
+        """The service's address: every error names it (a job has several peers)."""
         self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
+            base_url=self.url,
             headers=headers,
             timeout=timeout_s,
             limits=httpx.Limits(
@@ -156,16 +158,16 @@ class TeacherClient:
         return ServerInfo.model_validate(await self._call("GET", "/v1/info"))
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        attempt = 0
+        attempt, request = 0, f"{method} {self.url}{path}"
         while True:
             try:
                 async with self._semaphore:
                     response = await self._http.request(method, path, **kwargs)
             except httpx.TimeoutException as err:
-                raise TeacherTimeout(f"{method} {path}: no answer in time ({err})") from err
+                raise TeacherTimeout(f"{request}: no answer in time ({err})") from err
             except httpx.TransportError as err:
                 if attempt >= self.retries:
-                    raise TeacherUnavailable(f"{method} {path}: {err}") from err
+                    raise TeacherUnavailable(f"{request}: {err}") from err
                 await self._sleep(attempt, None)
                 attempt += 1
                 continue
@@ -173,18 +175,18 @@ class TeacherClient:
                 return response.json()
             detail = _detail(response)
             if response.status_code in (400, 404, 413, 422):
-                raise TeacherBadRequest(f"{method} {path}: {detail}")
+                raise TeacherBadRequest(f"{request}: {detail}")
             if response.status_code == 401:
-                raise TeacherUnauthorized(f"{method} {path}: {detail}")
+                raise TeacherUnauthorized(f"{request}: {detail}")
             if response.status_code == 503:
                 if attempt >= self.retries:
                     raise TeacherOverloaded(
-                        f"{method} {path}: still overloaded after {self.retries} retries: {detail}"
+                        f"{request}: still overloaded after {self.retries} retries: {detail}"
                     )
                 await self._sleep(attempt, response.headers.get("Retry-After"))
                 attempt += 1
                 continue
-            raise TeacherError(f"{method} {path}: {response.status_code} {detail}")
+            raise TeacherError(f"{request}: {response.status_code} {detail}")
 
     async def _sleep(self, attempt: int, retry_after: str | None) -> None:
         delay = self.backoff_s * (2**attempt) * (0.5 + random.random())

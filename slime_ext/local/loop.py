@@ -31,10 +31,11 @@ from rollout.chat import ChatRenderer
 from rollout.harness.base import Harness
 from rollout.harness.tir import TIRConfig, TIRHarness
 from rollout.hints import HintedTeacherContext
+from rollout.infra_watch import InfrastructureWatch, RolloutsFailedError
 from rollout.policy import HFPolicy
 from rollout.reminders import ReminderTeacherContext
 from rollout.runner import Runner, TeacherContext, rollout_metrics
-from rollout.trajectory import Task, Trajectory, TrajectoryStatus, write_jsonl
+from rollout.trajectory import Task, Trajectory, write_jsonl
 from sandbox import LocalSandboxConfig, PythonWorkerConfig
 from slime_ext.job.assembly import (
     harness_for,
@@ -54,15 +55,6 @@ from teacher_server.client import TeacherClient
 from teacher_server.snapshot_sync import refresh_steps
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-INFRASTRUCTURE_FAILURES = (TrajectoryStatus.SANDBOX_ERROR, TrajectoryStatus.TEACHER_ERROR)
-INFRA_FAILED_STEPS = 3
-"""Steps in a row whose every rollout failed on a sandbox or the teacher: the run stops."""
-
-
-class RolloutsFailedError(RuntimeError):
-    """Every rollout of a step failed on infrastructure (LocalRun._check_infrastructure)."""
 
 
 class TeacherStartError(RuntimeError):
@@ -152,6 +144,30 @@ def tir_harness(max_tool_calls: int = 4) -> TIRHarness:
     return TIRHarness(TIRConfig(max_tool_calls=max_tool_calls, call_timeout_s=5.0, worker=worker))
 
 
+def trainer_config(job: JobConfig) -> TrainerConfig:
+    """The local trainer's settings of `job` (its algorithm and rollout sections)."""
+    algorithm, rollout = job.algorithm, job.rollout
+    return TrainerConfig(
+        lr=algorithm.lr,
+        lr_schedule=algorithm.lr_schedule,
+        lr_warmup_steps=algorithm.lr_warmup_steps,
+        min_lr=algorithm.min_lr,
+        lr_decay_steps=algorithm.steps,
+        weight_decay=algorithm.weight_decay,
+        grad_clip=algorithm.grad_clip,
+        temperature=rollout.temperature,
+        kl_coef=algorithm.kl_coef,
+        reward_weight=algorithm.reward_weight,
+        train_on_invalid_turns=algorithm.train_on_invalid_turns,
+        opd_loss=algorithm.opd_loss,
+        sequence_layout=algorithm.sequence_layout,
+        oprd_success_weight=algorithm.oprd_success_weight,
+        oprd_failure_weight=algorithm.oprd_failure_weight,
+        oprd_failure_loss=algorithm.oprd_failure_loss,
+        oprd_support_k=algorithm.oprd_support_k,
+    )
+
+
 class LocalRun:
     """A training run in `run_dir`, resumed from its newest checkpoint (or the one `resume`
     names, or started over); refuses a run directory that holds a run with other settings
@@ -178,32 +194,9 @@ class LocalRun:
         source = checkpoint if checkpoint is not None else student_dir
         self.tokenizer = AutoTokenizer.from_pretrained(source)
         self.model = AutoModelForCausalLM.from_pretrained(source).eval()
-        algorithm, rollout = job.algorithm, job.rollout
-        self.trainer = LocalTrainer(
-            self.model,
-            TrainerConfig(
-                lr=algorithm.lr,
-                lr_schedule=algorithm.lr_schedule,
-                lr_warmup_steps=algorithm.lr_warmup_steps,
-                min_lr=algorithm.min_lr,
-                lr_decay_steps=algorithm.steps,
-                weight_decay=algorithm.weight_decay,
-                grad_clip=algorithm.grad_clip,
-                temperature=rollout.temperature,
-                kl_coef=algorithm.kl_coef,
-                reward_weight=algorithm.reward_weight,
-                train_on_invalid_turns=algorithm.train_on_invalid_turns,
-                opd_loss=algorithm.opd_loss,
-                sequence_layout=algorithm.sequence_layout,
-                oprd_success_weight=algorithm.oprd_success_weight,
-                oprd_failure_weight=algorithm.oprd_failure_weight,
-                oprd_failure_loss=algorithm.oprd_failure_loss,
-                oprd_support_k=algorithm.oprd_support_k,
-            ),
-        )
+        self.trainer = LocalTrainer(self.model, trainer_config(job))
         self.step = 0
-        self._infra_failed_steps = 0  # steps in a row whose every rollout failed on a peer
-        self._stepped = False  # a step of this process got rollouts to train on
+        self._infra_watch = InfrastructureWatch()
         self.hints: HintedTeacherContext | None = None
         self.reminders: ReminderTeacherContext | None = None
         self.ema: dict[str, torch.Tensor] | None = None
@@ -504,25 +497,15 @@ class LocalRun:
             self.trainer.self_teacher.model.load_state_dict(snapshot.state_dict())
 
     def _check_infrastructure(self, trajectories: Sequence[Trajectory], path: Path) -> None:
-        """Stop the run when every rollout of a step failed on its sandbox or its teacher:
-        at the first step of this process (a set-up that cannot work: a run of steps that
-        train nothing would look like a run), or at INFRA_FAILED_STEPS steps in a row (a
-        peer that died and stayed dead). A step that loses some rollouts trains on the rest."""
-        failed = [t for t in trajectories if t.status in INFRASTRUCTURE_FAILURES]
-        if not trajectories or len(failed) < len(trajectories):
-            self._infra_failed_steps, self._stepped = 0, True
-            return
-        self._infra_failed_steps += 1
-        if self._stepped and self._infra_failed_steps < INFRA_FAILED_STEPS:
-            return
-        first = failed[0]
-        raise RolloutsFailedError(
-            f"step {self.step + 1}: all {len(trajectories)} rollouts failed "
-            f"({first.status.value}: {first.status_reason.strip()[:500]})"
-            + (f", and in the {self._infra_failed_steps - 1} steps before" if self._stepped else "")
-            + f"; nothing was trained on them (trajectories: {path}). Fix the cause and run "
-            f"the same command again: it resumes from the last checkpoint"
-        )
+        """Stop the run when its peers are gone (rollout.infra_watch's rule)."""
+        outcomes = [(t.status.value, t.status_reason) for t in trajectories]
+        verdict = self._infra_watch.verdict(outcomes)
+        if verdict is not None:
+            raise RolloutsFailedError(
+                f"step {self.step + 1}: {verdict}; nothing was trained on them (trajectories: "
+                f"{path}). Fix the cause and run the same command again: it resumes from the "
+                "last checkpoint"
+            )
 
     def _trainable(self, trajectories: Sequence[Trajectory], recipe: str) -> list[Trajectory]:
         """Trajectories that carry a training signal, by the rule slime's samples follow

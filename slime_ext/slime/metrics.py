@@ -12,7 +12,8 @@ the run's so far (the latest); OPRD's reminder counts are the step's (each traje
 own, added up), as the local trainer logs them. It also hands the step's samples to
 `slime_ext.slime.topk.record_step` and `slime_ext.slime.tree.record_step`: slime splits
 exactly this list by DP rank next, and the teacher's top-k rows and the packed samples'
-trees ride that split.
+trees ride that split. And it stops the job when every rollout of a step failed on its
+sandbox or its teacher (`check_infrastructure`).
 
 perf/processed_tokens_per_loss_token is the local trainer's: the tokens the training
 forward runs over (every kept sample's, padding excluded) per loss-carrying token, so the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rollout.infra_watch import InfrastructureWatch, RolloutsFailedError
 from rollout.reminders import ReminderStats
 from rollout.runner import summary_metrics
 from slime_ext.losses import masked_mean
@@ -37,6 +39,8 @@ from slime_ext.slime.samples import (
 )
 
 logger = logging.getLogger(__name__)
+_WATCH = InfrastructureWatch()
+"""The job's: slime's RolloutManager (one per job) calls log_rollout once per step."""
 
 
 def log_rollout(
@@ -48,6 +52,7 @@ def log_rollout(
 ) -> bool:
     topk.record_step(samples)  # the teacher's top-k rows, for slime's DP split (topk.py)
     tree.record_step(samples)  # the trees of packed samples, the same way (tree.py)
+    check_infrastructure(rollout_id, samples)
     metrics = sample_metrics(samples)
     if rollout_extra_metrics is not None:
         rollout_extra_metrics.update(metrics)
@@ -60,6 +65,26 @@ def log_rollout(
     logger.info("opd rollout %d: %s", rollout_id, metrics)
     logging_utils.log(args, metrics | {"rollout/step": step}, step_key="rollout/step")
     return False
+
+
+def check_infrastructure(rollout_id: int, samples: list[Any]) -> None:
+    """Stop the job when its peers are gone (rollout.infra_watch's rule, the local
+    trainer's): raised here, in slime's RolloutManager before training, the error ends
+    train.py with the peer's address in its reason."""
+    summaries: dict[int, dict[str, Any]] = {}
+    for sample in samples:
+        summary = (sample.metadata or {}).get(METADATA_KEY)
+        if summary is not None and "num_turns" in summary:  # an episode, not an SFT record
+            summaries.setdefault(rollout_id_of(sample), summary)
+    if not summaries:
+        return
+    outcomes = [(s["status"], s.get("status_reason") or "") for s in summaries.values()]
+    verdict = _WATCH.verdict(outcomes)
+    if verdict is not None:
+        raise RolloutsFailedError(
+            f"rollout {rollout_id}: {verdict}; nothing was trained on them. Fix the cause "
+            "and launch the job again: it resumes from its last checkpoint"
+        )
 
 
 def sample_metrics(samples: list[Any]) -> dict[str, float]:
