@@ -163,3 +163,52 @@ def test_oprd_branch_shares_divide_each_training_step_among_its_branches() -> No
     assert shares == [2.0, -2.0, 2.0, -2.0, 0.0, 2.0]
     # with one step of all six: G = 6 over 2 successes and 2 failures
     assert oprd.branch_shares(samples, raw, global_batch_size=6) == [3.0, -3.0, 3.0, -3.0, 0, 3.0]
+
+
+def _padded_logprobs(batch: dict[str, Any], logits: torch.Tensor) -> list[torch.Tensor]:
+    """What slime's own log-prob path gives (its recomputed `log_probs`): the log-softmax
+    over every column of Megatron's output layer, padding columns too."""
+    rows = torch.log_softmax(logits[0].detach() / TEMPERATURE, dim=-1)
+    out, start = [], 0
+    for tokens, total, response in zip(
+        batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], strict=True
+    ):
+        positions = torch.arange(total - response - 1, total - 1)
+        out.append(rows[start + positions, tokens[total - response :]])
+        start += total
+    return out
+
+
+def test_padded_vocabulary_columns_take_no_mass_and_the_first_step_ratio_is_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megatron pads the output layer past the checkpoint's vocabulary (--vocab-size);
+    the engines have no such columns. The student's log-probs leave them out, and slime's
+    recomputed old log-probs (which include them) are shifted to match, so at the weights
+    they were computed under the policy-gradient ratio is 1 and the loss is the reverse KL
+    over the real vocabulary."""
+    monkeypatch.setenv("OPD_JOB_CONFIG", str(_job_yaml(tmp_path, extra="\n  kl_coef: 1.0")))
+    batch, logits = _batch()
+    real = VOCAB - 5
+    for tokens in batch["unconcat_tokens"]:
+        tokens.clamp_(max=real - 1)
+    with torch.no_grad():  # padding columns: the zero rows Megatron adds give logit 0
+        logits[..., real:] = 0.0
+    batch["log_probs"] = _padded_logprobs(batch, logits)
+    loss, log = _call(_args(vocab_size=real), batch, logits)
+    rows = torch.log_softmax(logits[0].detach()[:, :real] / TEMPERATURE, dim=-1)
+    expected, start = [], 0
+    for tokens, total, response, teacher in zip(
+        batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
+        batch["teacher_log_probs"], strict=True,
+    ):  # fmt: skip
+        positions = torch.arange(total - response - 1, total - 1)
+        student = rows[start + positions, tokens[total - response :]]
+        expected.append(float((student - teacher).sum()))  # the hook's reducer: a sum
+        start += total
+    assert float(log["opd_reverse_kl"]) == pytest.approx(sum(expected), rel=1e-5)
+    assert float(loss) == pytest.approx(sum(expected), rel=1e-5)  # ratio 1: loss = KL
+    # the control: without --vocab-size the padding columns count, and both move
+    padded_loss, padded_log = _call(_args(), batch, logits)
+    assert abs(float(padded_log["opd_reverse_kl"]) - sum(expected)) > 1e-2
+    assert abs(float(padded_loss) - sum(expected)) > 1e-2

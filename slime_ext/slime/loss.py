@@ -27,6 +27,7 @@ local trainer has).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -47,8 +48,9 @@ from slime_ext.slime.settings import Parallel, job_config, megatron_parallel
 from slime_ext.slime.topk import rows_for
 from slime_ext.vocab_parallel import VocabShard, keep_valid_rows, token_logprobs
 
-METRICS = ("opd_reverse_kl", "student_gt_teacher_frac", "loss_tokens")
-"""The keys every call returns (slime sums them across micro-batches by position)."""
+METRICS = ("opd_reverse_kl", "student_gt_teacher_frac", "loss_tokens", "loss")
+"""The keys every call returns (slime sums them across micro-batches by position, then
+divides by the step's trajectories: "loss" is then the local trainer's train/loss)."""
 TOPK_METRICS = ("teacher_topk_kl",)
 """A top-k loss's further key: the KL to the teacher's top-k, as the local trainer logs it."""
 OPRD_METRICS = (
@@ -105,18 +107,26 @@ def loss(
     if topk:
         top = TeacherTopK(job, args, parallel, local_logits, batch, slices)
     # a top-k loss reads the student's sampled-token log-prob for metrics only
+    shard = _shard(parallel, args, local_logits.size(-1))
     with torch.no_grad() if topk and job.algorithm.recipe != "oprd" else nullcontext():
         student = token_logprobs(
             local_logits,
             targets,
-            _shard(parallel, args),
+            shard,
             temperature=_temperature(args),
             chunk_size=_chunk_size(args),
             mask=mask,  # every use of `student` is within the loss mask
         )
+    old, clip = _old_logprobs(args, batch, slices)
+    if old is not None and _recomputed(args):
+        old = old + _padding_shift(args, local_logits, targets, shard, mask, student)
     if job.algorithm.recipe == "oprd":
-        return _oprd_loss(job, args, batch, slices, student, mask, sum_of_sample_mean, top)
-    result, kl = _recipe_loss(job.algorithm.recipe, args, batch, slices, student, mask, top)
+        return _oprd_loss(
+            job, args, batch, slices, student, mask, sum_of_sample_mean, (old, clip), top
+        )
+    result, kl = _recipe_loss(
+        job.algorithm.recipe, args, batch, slices, student, mask, (old, clip), top
+    )
     # kl_coef weighs the KL to the teacher only, as in the local trainer
     coef = job.algorithm.kl_coef if kl is not None else 1.0
     total = sum_of_sample_mean(result.per_token * coef)
@@ -130,6 +140,7 @@ def loss(
         "opd_reverse_kl": kl_metric,
         "student_gt_teacher_frac": above,
         "loss_tokens": mask.sum().float().detach(),
+        "loss": total.detach(),
     }
     if top is not None:
         metrics["teacher_topk_kl"] = sum_of_sample_mean(result.per_token.detach())
@@ -152,8 +163,8 @@ class TeacherTopK:
         self.ids, self.logprobs = rows_for(
             batch, [s.response_index for s in slices], job.teacher.top_k, local_logits.device
         )
-        vocab = getattr(args, "opd_real_vocab_size", None) or (
-            int(args.padded_vocab_size) if parallel.tp_size > 1 else local_logits.size(-1)
+        vocab = real_vocab_size(args, local_logits.size(-1) * parallel.tp_size) or (
+            local_logits.size(-1) * parallel.tp_size
         )
         if self.ids.numel() and (int(self.ids.min()) < 0 or int(self.ids.max()) >= vocab):
             # an id past the vocabulary would gather nothing: log-prob 0, probability 1
@@ -164,7 +175,7 @@ class TeacherTopK:
         self.logits = local_logits
         # OPRD's teacher_topk failure loss keeps the tail bucket, as the local trainer's
         self.tail = job.algorithm.recipe == "oprd" or job.algorithm.opd_loss == "topk_tail"
-        self.shard = _shard(parallel, args)
+        self.shard = _shard(parallel, args, local_logits.size(-1))
         self.temperature = _temperature(args)
         self.chunk_size = _chunk_size(args)
 
@@ -190,6 +201,7 @@ def _recipe_loss(
     slices: list[ResponseSlice],
     student: Tensor,
     mask: Tensor,
+    behaviour: tuple[Tensor | None, tuple[float, float] | None],
     top: TeacherTopK | None = None,
 ) -> tuple[TokenLoss, TokenLoss | None]:
     """The per-token loss of the job's recipe, and the sampled reverse KL when a teacher
@@ -207,7 +219,7 @@ def _recipe_loss(
         return top.kl(mask), sampled_reverse_kl(
             student if sampler is None else sampler, teacher, mask
         )
-    old, clip = _old_logprobs(args, batch, slices)
+    old, clip = behaviour
     result = reverse_kl_pg_loss(student, teacher, mask, old_logprobs=old, clip=clip)
     behaviour = student if old is None else old
     return result, sampled_reverse_kl(behaviour, teacher, mask)
@@ -221,6 +233,7 @@ def _oprd_loss(
     student: Tensor,
     mask: Tensor,
     sum_of_sample_mean: Callable[[Tensor], Tensor],
+    behaviour: tuple[Tensor | None, tuple[float, float] | None],
     top: TeacherTopK | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Success tokens on the NLL, failure tokens on the sampled reverse KL (policy-gradient
@@ -237,7 +250,7 @@ def _oprd_loss(
     success, failure = mask & (share > 0), mask & (share < 0)
     weight = share.abs()
     teacher = _sliced_given(batch, "teacher_log_probs", slices)
-    old, clip = _old_logprobs(args, batch, slices)
+    old, clip = behaviour
     nll = masked_nll(student, success).per_token
     if top is None:
         kl_pg = reverse_kl_pg_loss(student, teacher, failure, old_logprobs=old, clip=clip)
@@ -249,6 +262,7 @@ def _oprd_loss(
         algorithm.oprd_success_weight * nll + algorithm.oprd_failure_weight * failure_loss
     )
     kl = sampled_reverse_kl(student if old is None else old, teacher, mask)
+    total = sum_of_sample_mean(per_token)
 
     def branch_mean(values: Tensor) -> Tensor:
         return sum_of_sample_mean(weight * values).detach()
@@ -257,6 +271,7 @@ def _oprd_loss(
         "opd_reverse_kl": sum_of_sample_mean(kl.per_token).detach(),
         "student_gt_teacher_frac": sum_of_sample_mean(_above(kl, mask)).detach(),
         "loss_tokens": mask.sum().float().detach(),
+        "loss": total.detach(),
         "success_branch_loss": branch_mean(nll.detach()),
         "failure_branch_loss": branch_mean(failure_loss.detach()),
         "opd_reverse_kl_success": branch_mean(kl.per_token * success),
@@ -264,7 +279,7 @@ def _oprd_loss(
     }
     if top is not None:
         metrics["teacher_topk_kl"] = branch_mean(failure_loss.detach())
-    return sum_of_sample_mean(per_token), metrics
+    return total, metrics
 
 
 def _old_logprobs(
@@ -279,6 +294,36 @@ def _old_logprobs(
     eps_low = float(getattr(args, "eps_clip", 0.2))
     eps_high = float(getattr(args, "eps_clip_high", None) or eps_low)
     return _sliced_given(batch, old_key, slices), (1.0 - eps_low, 1.0 + eps_high)
+
+
+def _recomputed(args: Any) -> bool:
+    """The old log-probs are slime's recomputed ones (not the rollout's)."""
+    return not getattr(args, "use_rollout_logprobs", False)
+
+
+def _padding_shift(
+    args: Any, logits: Tensor, targets: Tensor, shard: VocabShard, mask: Tensor, student: Tensor
+) -> Tensor:
+    """What slime's recomputed old log-probs lack where Megatron padded the output layer:
+    slime's log-softmax runs over the padding columns too, which take probability mass
+    from every token (the engines have no such columns, and `student` leaves them out),
+    so its log-probs sit log(1 + padded mass) below. The shift comes from this step's
+    logits: exact when a rollout trains in one optimizer step (the plan's global batch is
+    a rollout's trajectories, so the old log-probs were computed under these weights);
+    off by the padded mass's change within a rollout otherwise (nothing for a trained
+    model, whose padding columns carry no mass to speak of; 0 without padding)."""
+    if shard.real_vocab_size is None:
+        return torch.zeros_like(student)
+    with torch.no_grad():
+        padded = token_logprobs(
+            logits,
+            targets,
+            dataclasses.replace(shard, real_vocab_size=None),
+            temperature=_temperature(args),
+            chunk_size=_chunk_size(args),
+            mask=mask,
+        )
+    return student.detach() - padded
 
 
 def _optional_sliced(batch: dict[str, Any], key: str, slices: list[ResponseSlice]) -> Tensor | None:
@@ -328,15 +373,22 @@ def _sliced_given(batch: dict[str, Any], key: str, slices: list[ResponseSlice]) 
     return torch.cat([torch.as_tensor(v, dtype=torch.float32, device=device) for v in values])
 
 
-def _shard(parallel: Parallel, args: Any) -> VocabShard:
+def real_vocab_size(args: Any, padded: int) -> int | None:
+    """The checkpoint's vocabulary (Megatron-LM's --vocab-size, from MODEL_ARGS) where
+    Megatron padded the output layer past it (`padded` columns: a multiple of 128 x TP),
+    else None. The padded columns' logits are masked out: the engines sample over the
+    checkpoint's rows only, and a padded column's logit (0 for the zero rows Megatron
+    adds) would otherwise take probability mass from every token the student sampled."""
+    vocab = getattr(args, "vocab_size", None)
+    return int(vocab) if vocab and int(vocab) < padded else None
+
+
+def _shard(parallel: Parallel, args: Any, local_columns: int) -> VocabShard:
+    """This rank's part of the output layer (`local_columns` of the padded vocabulary)."""
+    real = real_vocab_size(args, local_columns * parallel.tp_size)
     if parallel.tp_size == 1:
-        return VocabShard(real_vocab_size=getattr(args, "opd_real_vocab_size", None))
-    padded = int(args.padded_vocab_size)
-    return VocabShard(
-        parallel.tp_group,
-        parallel.tp_rank * (padded // parallel.tp_size),
-        getattr(args, "opd_real_vocab_size", None),
-    )
+        return VocabShard(real_vocab_size=real)
+    return VocabShard(parallel.tp_group, parallel.tp_rank * local_columns, real)
 
 
 def _chunk_size(args: Any) -> int | None:
