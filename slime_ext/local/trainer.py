@@ -277,7 +277,16 @@ class LocalTrainer:
         if recipe == "oprd":
             return self.oprd_loss(trajectories)
         kind: LossKind = "imitation" if recipe == "sft" else "kl"
-        batch = self.batch(trajectories, kind)
+        return self.batch_loss(self.batch(trajectories, kind), recipe, trajectories)
+
+    def batch_loss(
+        self,
+        batch: TurnBatch,
+        recipe: Literal["opd", "rl", "sft"],
+        trajectories: Sequence[Trajectory] = (),
+    ) -> tuple[Tensor, dict[str, float]]:
+        """`loss` on a batch already laid out; `trajectories` (the batch's, in its order)
+        only where an outcome reward enters (RL, OPD with reward_weight)."""
         mask = batch.loss_mask
         metrics: dict[str, float] = {
             "train/loss_tokens": float(batch.num_loss_tokens),
