@@ -93,17 +93,20 @@ def cpu_spec(train_args: Sequence[str]) -> list[str]:
 
 
 def run(
-    command: Sequence[str], log: Path, *, env: dict[str, str], timeout_s: float, cwd: Path
-) -> None:
-    """Run a job's program; its output to `log`; a failure raises with the log's tail."""
+    command: Sequence[str], log: Path, *, env: dict[str, str], timeout_s: float, cwd: Path,
+    check: bool = True,
+) -> int:  # fmt: skip
+    """Run a job's program; its output to `log`; with `check`, a failure raises with the
+    log's tail. The exit status."""
     with log.open("wb") as out:
         done = subprocess.run(
             list(command), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
             timeout=timeout_s, check=False,
         )  # fmt: skip
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         tail = log.read_text(errors="replace")[-6000:]
         raise AssertionError(f"{shlex.join(command[:3])} ... exited {done.returncode}:\n{tail}")
+    return done.returncode
 
 
 def convert_hf_to_torch_dist(hf_dir: Path, out: Path, log: Path) -> None:
@@ -158,11 +161,13 @@ def driver_env(cluster: RayCluster) -> dict[str, str]:
 
 def train(
     cluster: RayCluster, args: Sequence[str], log: Path, *, script: str = "train.py",
-    timeout_s: float = 300,
-) -> None:  # fmt: skip
-    """slime's `script` as the job's driver on `cluster`, with `args`."""
+    timeout_s: float = 300, check: bool = True,
+) -> int:  # fmt: skip
+    """slime's `script` as the job's driver on `cluster`, with `args`; its exit status
+    (with `check`, a failure raises)."""
+    command = [sys.executable, script, *args]
     env = driver_env(cluster)
-    run([sys.executable, script, *args], log, env=env, timeout_s=timeout_s, cwd=slime_dir())
+    return run(command, log, env=env, timeout_s=timeout_s, cwd=slime_dir(), check=check)
 
 
 def train_until_killed(

@@ -15,6 +15,7 @@ Restated from SGLang 0.5.23, only what slime reaches:
   as one uint8 buffer and their metadata (`supports_multi_dtypes`).
 - `monkey_patch_torch_reductions` (srt/utils/patch_torch.py): SGLang rewrites CUDA IPC
   device ids there; nothing on CPU to rewrite.
+- `GPU_MEMORY_TYPE_*` (srt/constants.py): the tags of release/resume_memory_occupation.
 - `launch_server` (srt/entrypoints/http_server.py): serves `sglang_http.create_standin`
   with the checkpoint at `model_path` (the stand-in engine; sglang_http says what it
   answers).
@@ -32,6 +33,15 @@ from typing import Any
 
 import psutil
 import torch
+
+GPU_MEMORY_TYPE_KV_CACHE = "kv_cache"
+GPU_MEMORY_TYPE_WEIGHTS = "weights"
+GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
+GPU_MEMORY_ALL_TYPES = (
+    GPU_MEMORY_TYPE_KV_CACHE,
+    GPU_MEMORY_TYPE_WEIGHTS,
+    GPU_MEMORY_TYPE_CUDA_GRAPH,
+)
 
 SIZE_ALIASES = {
     "tp_size": "--tensor-parallel-size",

@@ -17,9 +17,10 @@ utils/common.py `init_custom_process_group`):
   with "flattened_bucket" a {flattened_tensor, metadata} dict, else (name, tensor) pairs.
 - POST /update_weights_from_disk {model_path, weight_version}: the checkpoint's
   safetensors loaded.
-- /release_memory_occupation, /resume_memory_occupation {tags}: recorded (tags "weights",
-  "kv_cache"; none = both). While weights are released a weight update is refused, and
-  while anything is released /generate is (SGLang would touch freed memory).
+- /release_memory_occupation, /resume_memory_occupation {tags}: recorded (SGLang's tags
+  "weights", "kv_cache", "cuda_graph"; none = all; another is a 400). While weights are
+  released a weight update is refused, and while anything is released /generate is
+  (SGLang would touch freed memory).
 - GET /get_weight_version (slime's SGLangEngine.get_weight_version asks it; SGLang 0.5.23
   reports the version in /model_info), POST /get_weights_by_name {name, truncate_size}.
 
@@ -56,6 +57,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 from slime_ext.cpu_runtime.sglang_api import (
+    GPU_MEMORY_ALL_TYPES,
     FlattenedTensorBucket,
     MultiprocessingSerializer,
     ServerArgs,
@@ -64,7 +66,6 @@ from slime_ext.cpu_runtime.sglang_http import StandinState, create_standin
 
 logger = logging.getLogger(__name__)
 GROUP_TIMEOUT = timedelta(minutes=10)
-MEMORY_TAGS = ("weights", "kv_cache")
 PROBE_LOG_ENV = "OPD_STANDIN_PROBE_LOG"
 PROBE_IDS = (5, 17, 99, 230, 31, 7)
 """A fixed prompt (ids every test tokenizer has) scored after each update."""
@@ -143,7 +144,7 @@ class EngineWeights:
             self._probe(Path(os.environ[PROBE_LOG_ENV]))
 
     def _probe(self, log: Path) -> None:
-        line = {"url": self.url, "weight_version": self.state.weight_version}
+        line = {"url": self.url, "pid": os.getpid(), "weight_version": self.state.weight_version}
         with log.open("a") as out:
             out.write(json.dumps(line | top_logprobs(self.model)) + "\n")
 
@@ -271,14 +272,20 @@ def add_weight_routes(app: FastAPI, weights: EngineWeights) -> None:
         return await _update(weights, body, read_checkpoint, done, body["model_path"])
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation(request: Request) -> None:
-        tags = (await _json_or_empty(request)).get("tags") or MEMORY_TAGS
-        state.released |= set(tags)
+    async def release_memory_occupation(request: Request) -> Any:
+        tags = await _memory_tags(request)
+        if isinstance(tags, JSONResponse):
+            return tags
+        state.released |= tags
+        return None
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation(request: Request) -> None:
-        tags = (await _json_or_empty(request)).get("tags") or MEMORY_TAGS
-        state.released -= set(tags)
+    async def resume_memory_occupation(request: Request) -> Any:
+        tags = await _memory_tags(request)
+        if isinstance(tags, JSONResponse):
+            return tags
+        state.released -= tags
+        return None
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, str]:
@@ -292,6 +299,17 @@ def add_weight_routes(app: FastAPI, weights: EngineWeights) -> None:
             return JSONResponse({"error": {"message": "Get parameter by name failed"}}, 400)
         flat = params[body["name"]].detach().float().flatten()
         return flat[: int(body.get("truncate_size", 100))].tolist()
+
+
+async def _memory_tags(request: Request) -> set[str] | JSONResponse:
+    """The tags of a release/resume request (none: all of them, as SGLang takes it); a 400
+    for a tag SGLang does not have."""
+    tags = set((await _json_or_empty(request)).get("tags") or GPU_MEMORY_ALL_TYPES)
+    unknown = tags - set(GPU_MEMORY_ALL_TYPES)
+    if unknown:
+        message = f"unknown memory tags {sorted(unknown)}: SGLang's are {GPU_MEMORY_ALL_TYPES}"
+        return JSONResponse({"error": {"message": message}}, 400)
+    return tags
 
 
 async def _json_or_empty(request: Request) -> dict[str, Any]:

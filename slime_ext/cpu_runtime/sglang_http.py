@@ -84,7 +84,7 @@ class StandinState:
     """Prompts scored so far (what `cached_tokens` counts against; /flush_cache empties)."""
     weight_version: str = "default"
     released: set[str] = field(default_factory=set)
-    """Memory released by /release_memory_occupation ("weights", "kv_cache")."""
+    """Memory released by /release_memory_occupation ("weights", "kv_cache", "cuda_graph")."""
 
     def tokens_so_far(self) -> dict[str, int]:
         """Tokens each running request has produced (read from another thread)."""

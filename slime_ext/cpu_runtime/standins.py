@@ -29,6 +29,12 @@ SGLANG_API = {
     "sglang.srt.utils.patch_torch": ("monkey_patch_torch_reductions",),
     "sglang.srt.weight_sync.tensor_bucket": ("FlattenedTensorBucket", "FlattenedTensorMetadata"),
     "sglang.srt.entrypoints.http_server": ("launch_server",),
+    "sglang.srt.constants": (
+        "GPU_MEMORY_TYPE_KV_CACHE",
+        "GPU_MEMORY_TYPE_WEIGHTS",
+        "GPU_MEMORY_TYPE_CUDA_GRAPH",
+        "GPU_MEMORY_ALL_TYPES",
+    ),
 }
 """The stand-in sglang modules that carry sglang_api's restated names."""
 
