@@ -16,7 +16,12 @@ from pathlib import Path
 
 KEY_NAME = "OPD_SLURM_TEST_TEACHER_KEY"
 KEY_VALUE = "k-" + "".join(random.choice("abcdef0123456789") for _ in range(24))
-LEFTOVERS = ("raylet", "gcs_server", "opd-teacher", "dashboard/agent.py", "slime-standin")
+LEFTOVERS = (
+    "raylet", "gcs_server", "opd-teacher", "dashboard/agent.py", "slime-standin", "ray::",
+    "multiprocessing.spawn", "sglang_router",
+)  # fmt: skip
+"""What a job's processes look like: Ray's, the teacher's, the stand-in train.py's, Ray's
+workers and actors, the engines slime spawns, the router."""
 TRAIN_STANDIN = '''"""Stand-in for slime's train.py (tests/launch_standins.py): probes the
 cluster the plan built and writes what it saw next to the job config; trains nothing."""
 import json, os, sys, time
@@ -94,7 +99,7 @@ def standin_slime(directory: Path) -> Path:
     return slime
 
 
-def ray_node_args(temp: Path, node: str, index: str) -> list[str]:
+def ray_node_args(temp: Path, node: str, index: str, cpus: int = 2) -> list[str]:
     """Several Ray nodes on one host: each its own temp dir and port block (REFERENCE.md,
     Slurm and Ray on one host). `node` and `index` are shell expressions a node's step
     expands to its name and a small number (e.g. from SLURMD_NODENAME or SSH_CONNECTION).
@@ -104,7 +109,7 @@ def ray_node_args(temp: Path, node: str, index: str) -> list[str]:
     port = f"$(({base} + {index} * 100"
     return [
         f"--temp-dir={temp}/{node}",
-        "--num-cpus=2",
+        f"--num-cpus={cpus}",
         f"--node-manager-port={port}))",
         f"--object-manager-port={port} + 1))",
         f"--metrics-export-port={port} + 2))",

@@ -4,16 +4,21 @@ proctrack/linuxproc.
 
 Real: Slurm (sbatch, srun steps, a heterogeneous allocation with fake GPUs), Ray (one
 `ray start --block` per node, on the node's Slurm address), `opd-teacher serve` (a factory
-model on CPU, with an API key), `launch.wait_ray`, `ray job submit`. Stand-ins, through the
-config (named as such): slime's checkout (`cluster.slime_dir`: a `train.py` that probes the
-cluster instead of training, a no-op `tools/convert_hf_to_torch_dist.py`, a MODEL_ARGS
-script). The stand-in train.py reports what the job's processes see: the nodes and their
-resources, a Ray task on a training node calling the teacher with the key Ray expanded from
-its node's environment (and without it), a task on the sandbox host.
+model on CPU, with an API key), `launch.wait_ray`, `ray job submit`, and in the first test
+slime's own train.py (tests/launch_real_job.py: OPD on the TIR task for 2 rollouts, the
+tiny student on one fake GPU with the SGLang stand-in engine colocated, under the CPU
+runtime the job's environment carries). The other tests' job has a stand-in slime
+checkout (`cluster.slime_dir`, tests/launch_standins.py: a `train.py` that probes the
+cluster instead of training, holding until killed where a test kills the job, a no-op
+`tools/convert_hf_to_torch_dist.py`, a MODEL_ARGS script). The stand-in reports what the
+job's processes see: the nodes and their resources, a Ray task on a training node calling
+the teacher with the key Ray expanded from its node's environment (and without it), a task
+on the sandbox host.
 
-Checked: the job completes; Ray had every node (training nodes with GPUs, the sandbox
-host with the sandbox resource and none); the teacher answered 200 with the key and 401
-without; the key's value appears in no file the plan wrote; afterwards no Ray, teacher or
+Checked: the jobs complete (slime's train.py: every rollout scored and trained on, the
+last checkpoint saved); Ray had every node (training nodes with GPUs, the sandbox host with
+the sandbox resource and none); the teacher answered 200 with the key and 401 without; the
+key's value appears in no file the plan wrote; afterwards no Ray, teacher, engine or
 stand-in process is left and the queue is empty.
 """
 
@@ -32,52 +37,59 @@ import pytest
 
 from launch.plan import render_sbatch
 from slime_ext.job.config import config_from_dict
+from tests.launch_real_job import RAY_CPUS, assert_trained, merged, real_train_settings
 from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
 from tests.live_server import free_port
 from tests.slurm_cluster import require_slurm, slurm_cluster
+from tests.test_slime_train import Student, make_student
 
 
-def _job(directory: Path, factory_dir: Path, ray_temp: Path) -> Any:
+def _job(directory: Path, factory_dir: Path, ray_temp: Path, real: Student | None = None) -> Any:
+    """The stand-in job on two training nodes; with `real`, slime's train.py training that
+    student on one (tests/launch_real_job.py)."""
     slime = standin_slime(directory)
     run = directory / "run"
     tasks = directory / "tasks.jsonl"
     tasks.write_text("")
-    return config_from_dict(
-        {
-            "model": {"student": str(factory_dir)},
-            "parallel": {"num_nodes": 2, "gpus_per_node": 4, "max_tokens_per_gpu": 8192},
-            "teacher": {
-                "kind": "remote",
-                "backend": "hf",
-                "model": str(factory_dir),
-                "node": "slurm-allocated",
-                "url": "http://slurm-allocated:1",  # the plan serves it: replaced
-                "port": free_port(),
-                "api_key_env": KEY_NAME,
-                "serve_args": ["--device", "cpu", "--dtype", "float32"],
-            },
-            "logging": {"run_dir": str(run), "wandb_mode": "disabled"},
-            "cluster": {
-                "executor": "srun",
-                "sandbox_hosts": ["slurm-allocated"],
-                "remote_shell": ["bash", "-c"],
-                "slime_dir": str(slime),
-                "megatron_dir": str(directory),
-                "model_args_script": "scripts/models/tiny.sh",
-                "megatron_checkpoint": str(directory / "ckpt"),
-                "save_dir": str(directory / "save"),
-                "tasks_file": str(tasks),
-                "ray_port": free_port(),
-                "dashboard_port": free_port(),
-                # node K of the Slurm cluster is named nodeK
-                "ray_start_args": ray_node_args(
-                    ray_temp, "$SLURMD_NODENAME", "${SLURMD_NODENAME#node}"
-                ),
-                "ray_wait_s": 180,
-                "sbatch_options": ["--time=15"],
-            },
-        }
-    )
+    settings = {
+        "model": {"student": str(factory_dir)},
+        "parallel": {"num_nodes": 2, "gpus_per_node": 4, "max_tokens_per_gpu": 8192},
+        "teacher": {
+            "kind": "remote",
+            "backend": "hf",
+            "model": str(factory_dir),
+            "node": "slurm-allocated",
+            "url": "http://slurm-allocated:1",  # the plan serves it: replaced
+            "port": free_port(),
+            "api_key_env": KEY_NAME,
+            "serve_args": ["--device", "cpu", "--dtype", "float32"],
+        },
+        "logging": {"run_dir": str(run), "wandb_mode": "disabled"},
+        "cluster": {
+            "executor": "srun",
+            "sandbox_hosts": ["slurm-allocated"],
+            "remote_shell": ["bash", "-c"],
+            "slime_dir": str(slime),
+            "megatron_dir": str(directory),
+            "model_args_script": "scripts/models/tiny.sh",
+            "megatron_checkpoint": str(directory / "ckpt"),
+            "save_dir": str(directory / "save"),
+            "tasks_file": str(tasks),
+            "ray_port": free_port(),
+            "dashboard_port": free_port(),
+            # node K of the Slurm cluster is named nodeK
+            "ray_start_args": ray_node_args(
+                ray_temp, "$SLURMD_NODENAME", "${SLURMD_NODENAME#node}"
+            ),
+            "ray_wait_s": 180,
+            "sbatch_options": ["--time=15"],
+        },
+    }
+    if real is not None:
+        settings = merged(settings, real_train_settings(directory / "real", real))
+        node = ("$SLURMD_NODENAME", "${SLURMD_NODENAME#node}")
+        settings["cluster"]["ray_start_args"] = ray_node_args(ray_temp, *node, RAY_CPUS)
+    return config_from_dict(settings)
 
 
 def _job_env() -> dict[str, str]:
@@ -119,17 +131,37 @@ def _check_the_run(tmp_path: Path, cluster: Any, state: str) -> None:
     assert cluster.processes_left(LEFTOVERS) == []
 
 
-@pytest.mark.timeout(300)
-def test_the_generated_sbatch_script_runs_the_job_on_slurm_and_leaves_nothing(
-    tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
-) -> None:
-    """Under proctrack/linuxproc; under cgroup the relaunch below runs the same checks."""
+@pytest.fixture(scope="module")
+def student(tmp_path_factory: pytest.TempPathFactory) -> Student:
     require_slurm("linuxproc")
-    script, _ = _submit_variant(tmp_path, factory_dir, request, lambda text: text)
+    return make_student(tmp_path_factory.mktemp("student"), vocab=None)
+
+
+@pytest.mark.timeout(480)
+def test_the_generated_sbatch_script_runs_slimes_train_py_and_leaves_nothing(
+    tmp_path: Path, factory_dir: Path, student: Student, request: pytest.FixtureRequest
+) -> None:
+    """Under proctrack/linuxproc, slime's real train.py (tests/launch_real_job.py): every
+    rollout scored by the teacher (with the key Ray expanded from the node's environment:
+    without it every score is refused and the job stops) and trained on, the last
+    rollout's checkpoint saved, the key's value in no file, no process or job left. Under
+    cgroup the relaunch below checks, with the stand-in train.py, what the cluster's nodes
+    and the teacher's key look like from inside a job."""
+    require_slurm("linuxproc")
+    script, _ = _submit_variant(tmp_path, factory_dir, request, lambda text: text, real=student)
     assert KEY_VALUE not in script.read_text()
     with slurm_cluster(tmp_path / "slurm", "linuxproc") as cluster:
-        state = cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=240)
-        _check_the_run(tmp_path, cluster, state)
+        state = cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=400)
+        logs = sorted((tmp_path / "run/logs").glob("*"))
+        output = "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in logs)
+        assert state == "COMPLETED", output
+        # the batch script's own output holds the job's (it submits and follows it)
+        assert_trained(next((tmp_path / "run/logs").glob("slurm-*.out")), tmp_path / "real")
+        for path in (tmp_path / "run").rglob("*"):
+            if path.is_file():
+                assert KEY_VALUE not in path.read_text(errors="replace"), path
+        assert cluster.wait_queue_empty(timeout_s=30) == []
+        assert cluster.processes_left(LEFTOVERS) == []
 
 
 def _submit_variant(
@@ -138,12 +170,13 @@ def _submit_variant(
     request: pytest.FixtureRequest,
     edit: Any,
     ray_wait_s: int = 180,
+    real: Student | None = None,
 ) -> tuple[Path, Any]:
     """The generated script with `edit` applied to its text (a plan as it was before the
     fix the test is the control of), written next to the job."""
     ray_temp = Path(tempfile.mkdtemp(prefix="opd-ray-"))
     request.addfinalizer(lambda: shutil.rmtree(ray_temp, ignore_errors=True))
-    job = _job(tmp_path, factory_dir, ray_temp)
+    job = _job(tmp_path, factory_dir, ray_temp, real)
     job = job.model_copy(
         update={"cluster": job.cluster.model_copy(update={"ray_wait_s": ray_wait_s})}
     )
