@@ -21,6 +21,7 @@ from typing import Literal
 
 import yaml
 
+from launch.shared_paths import check_command
 from slime_ext.job.config import (
     OPRD_ON_SLIME,
     RECIPES_WITH_TEACHER,
@@ -262,10 +263,13 @@ def build_plan(
     hooks: dict[str, object] = {"opd_job_config": job_yaml}
     if job.algorithm.recipe in ("sft", "ssd"):
         hooks["opd_sft_data"] = cluster.tasks_file
+    written = {job_yaml: config_to_yaml(job), hooks_yaml: yaml.safe_dump(hooks)}
     steps = [
-        Step("write job config", "local", job_yaml, "write", config_to_yaml(job)),
-        Step("write hook config", "local", hooks_yaml, "write", yaml.safe_dump(hooks)),
+        Step("write job config", "local", job_yaml, "write", written[job_yaml]),
+        Step("write hook config", "local", hooks_yaml, "write", written[hooks_yaml]),
     ]
+    for host in [hosts.head, *hosts.workers]:  # nothing is copied: the nodes share them
+        steps.append(Step("check shared paths", host, check_command(job, host, written)))
     steps += _teacher_steps(job, hosts, run)
     steps.append(_convert_step(job, hosts))  # before Ray holds the head's GPUs
     steps += _ray_steps(job, hosts)

@@ -782,6 +782,7 @@ def _fake_cluster(
     )
     os.environ["TRACE"] = str(trace)
     os.environ["FAIL_ON"] = fail_on
+    (tmp_path / "tasks.jsonl").write_text("")
     return job, trace
 
 
@@ -813,7 +814,8 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
     daemons = [s.host for s in steps if s.kind == "background"]
     assert hosts[: len(daemons)] == daemons[::-1]  # an earlier launch's leftovers, checked
     assert hosts[len(daemons) :] == [
-        "127.0.0.1", "node-0", "node-0", "node-0", "node-1", "cpu-0", "node-0", "node-0"
+        "node-0", "node-1", "127.0.0.1", "node-0", "node-0", "node-0", "node-1", "cpu-0",
+        "node-0", "node-0",
     ]  # fmt: skip
     rays = [line for line in log if line.startswith("ray ")]
     assert rays[0].startswith("ray start --block --head --node-ip-address node-0")
@@ -828,6 +830,44 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
     assert (tmp_path / "run/job.yaml").is_file() and (tmp_path / "run/hooks.yaml").is_file()
     assert (tmp_path / "run/logs/teacher-service.log").is_file()
     assert any("check teacher tokenizer" in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_a_node_that_does_not_share_the_jobs_paths_stops_the_launch_before_anything_starts(
+    tmp_path: Path, factory_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is copied to the nodes: each training node checks it sees what the launch
+    wrote (the same job config), the tasks file and the student, and can write save_dir."""
+    job, trace = _fake_cluster(tmp_path, factory_dir, monkeypatch)
+    (tmp_path / "tasks.jsonl").unlink()  # as on a node that does not mount it
+    steps = build_plan(job, hosts_from_config(job))
+    with pytest.raises(LaunchError, match="'check shared paths' on node-0") as raised:
+        Executor(job, report=lambda _: None, wait_timeout_s=30).run(steps)
+    message = str(raised.value)
+    assert f"node node-0 does not share the job's paths:\n  {tmp_path}/tasks.jsonl: not there" in (
+        message
+    )
+    assert "a filesystem that all nodes mount at the same path" in message
+    assert not any(line.startswith("ray ") for line in trace.read_text().splitlines())
+
+
+def test_a_node_seeing_another_job_config_is_refused(tmp_path: Path) -> None:
+    """A node-local job.yaml (an older run's, or a copy) would train another config."""
+    from launch.shared_paths import digest, problems
+
+    config, written = tmp_path / "job.yaml", "algorithm:\n  lr: 1e-6\n"
+    config.write_text(written)
+    save = tmp_path / "save"
+    assert problems([f"{config}={digest(written)}"], [], [str(save)]) == []
+    config.write_text("algorithm:\n  lr: 1e-5\n")
+    found = problems([f"{config}={digest(written)}"], [], [])
+    assert found and "another file than the one opd launch wrote" in found[0]
+    save.chmod(0o500)  # the write check made it
+    try:
+        if os.geteuid() != 0:  # root writes anywhere: the check is for a real user's mount
+            assert "not writable" in problems([], [], [str(save)])[0]
+    finally:
+        save.chmod(0o700)
 
 
 @pytest.mark.timeout(240)
@@ -924,7 +964,7 @@ def test_launch_stops_at_the_first_failing_step_and_says_so(
     )  # a teacher started by someone else: here, none is running
     steps = build_plan(job, Hosts("node-0", ["node-1"], None, ["cpu-0"]))
     # no teacher answers: the wait fails first, and nothing after it runs
-    with pytest.raises(LaunchError, match=r"step 3/\d+ 'wait teacher' on local failed"):
+    with pytest.raises(LaunchError, match=r"step 5/\d+ 'wait teacher' on local failed"):
         Executor(job, report=lambda _: None, wait_timeout_s=2).run(steps)
     # only the check for an earlier launch's daemons reached the nodes
     assert all(line.startswith("HOST ") for line in trace.read_text().splitlines())
