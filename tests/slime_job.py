@@ -143,16 +143,13 @@ def save_replay(directory: Path, rollouts: Sequence[Sequence[Any]]) -> str:
 
 
 @contextmanager
-def cpu_cluster(
-    root: Path, gpus: int, env: dict[str, str] | None = None,
-    nodes: Sequence[dict[str, float]] = (),
-) -> Iterator[RayCluster]:  # fmt: skip
-    """A loopback Ray head with `gpus` fake GPUs (and CPUs beyond the cores: slime asks a
-    CPU per GPU bundle and one per helper actor) and a node per entry of `nodes` (its
-    custom resources: sandbox hosts), their processes under the CPU runtime and `env`."""
+def cpu_cluster(root: Path, gpus: int, env: dict[str, str] | None = None) -> Iterator[RayCluster]:
+    """One loopback Ray node with `gpus` fake GPUs (and CPUs beyond the cores: slime asks a
+    CPU per GPU bundle and one per helper actor), its processes under the CPU runtime and
+    `env`."""
     node_env = cpu_env() | (env or {})
     with ray_cluster(
-        root, list(nodes), head_args=(f"--num-gpus={gpus}", "--num-cpus=16"), node_env=node_env
+        root, [], head_args=(f"--num-gpus={gpus}", "--num-cpus=16"), node_env=node_env
     ) as cluster:
         yield cluster
 
