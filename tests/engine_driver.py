@@ -266,6 +266,12 @@ def main(spec: dict[str, Any], out_path: Path) -> None:
         observed["update_while_released"] = "accepted"
     except ray.exceptions.RayTaskError as error:
         observed["update_while_released"] = "released" in str(error)
+    # slime's colocated order: the weights back first (onload_weights), the KV cache after
+    ray.get(engines[0].resume_memory_occupation.remote(tags=["weights"]), timeout=60)
+    refused = httpx.post(f"{urls[0]}/generate", json={"input_ids": list(PROBE_IDS)}, timeout=30)
+    observed["generate_with_kv_cache_released"] = refused.status_code
+    bogus = httpx.post(f"{urls[0]}/release_memory_occupation", json={"tags": ["vram"]}, timeout=30)
+    observed["unknown_memory_tag"] = bogus.status_code
     ray.get(engines[0].resume_memory_occupation.remote(), timeout=60)
     ray.get(engines[0].update_weights_from_disk.remote(str(checkpoint), weight_version="3"))
     observed["disk_gap"] = gap(scored(urls[0]), local_scored(model))

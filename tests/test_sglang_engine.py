@@ -90,5 +90,7 @@ def test_pause_release_external_check_and_shutdown_behave_as_slime_relies(
     assert observed["paused_request"]["type"] == "abort"
     assert observed["generate_while_released"] == 503
     assert observed["update_while_released"] is True
+    assert observed["generate_with_kv_cache_released"] == 503  # weights back, KV cache not
+    assert observed["unknown_memory_tag"] == 400  # SGLang's tags: weights, kv_cache, cuda_graph
     assert observed["external_mismatch"] == "name='enable_memory_saver'"
     assert observed["workers_after_shutdown"] == []
