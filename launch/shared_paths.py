@@ -47,9 +47,9 @@ def check_command(job: JobConfig, node: str, written: dict[str, str]) -> str:
     args = ["python3", "-m", "launch.shared_paths", "--node", node]
     for path, text in written.items():
         args += ["--read", path] if "$" in text else ["--same", f"{path}={digest(text)}"]
-    for path in (job.model.student, cluster.tasks_file):
-        if path:
-            args += ["--read", str(path)]
+    for read in (job.model.student, cluster.tasks_file):
+        if read:
+            args += ["--read", str(read)]
     if cluster.save_dir:
         args += ["--write", str(cluster.save_dir)]
     command = shlex.join(args)

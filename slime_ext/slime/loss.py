@@ -221,8 +221,7 @@ def _recipe_loss(
         )
     old, clip = behaviour
     result = reverse_kl_pg_loss(student, teacher, mask, old_logprobs=old, clip=clip)
-    behaviour = student if old is None else old
-    return result, sampled_reverse_kl(behaviour, teacher, mask)
+    return result, sampled_reverse_kl(student if old is None else old, teacher, mask)
 
 
 def _oprd_loss(
