@@ -20,6 +20,7 @@ from rollout.harness.tir import TIRHarness
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.trajectory import Trajectory
 from slime_ext.job.config import ConfigError, JobConfig, config_from_dict
+from slime_ext.local.loop import trainer_config
 from slime_ext.local.trainer import LocalTrainer, ScheduledLR, TrainerConfig
 from slime_ext.models.factory import build_model
 from tests import slime_cpu
@@ -41,17 +42,6 @@ def _cluster_job(schedule: str, warmup: int) -> JobConfig:
         steps=STEPS, lr=LR, min_lr=MIN_LR, lr_schedule=schedule, lr_warmup_steps=warmup
     )
     return config_from_dict(base)
-
-
-def _trainer_config(algorithm: Any) -> TrainerConfig:
-    """As LocalRun builds it from the job."""
-    return TrainerConfig(
-        lr=algorithm.lr,
-        lr_schedule=algorithm.lr_schedule,
-        lr_warmup_steps=algorithm.lr_warmup_steps,
-        min_lr=algorithm.min_lr,
-        lr_decay_steps=algorithm.steps,
-    )
 
 
 def _stand_in_optimizer(lr: float) -> torch.optim.Optimizer:
@@ -118,7 +108,7 @@ def test_local_lr_is_megatrons_for_the_flags_the_plan_passes(schedule: str, warm
     args = _slime_args(train_args(job, "hooks.yaml"))
     assert args.global_batch_size == 128  # one optimizer step per rollout
     megatron = _megatron_lrs(args)
-    local = _local_lrs(_trainer_config(job.algorithm), STEPS)
+    local = _local_lrs(trainer_config(job), STEPS)  # as LocalRun builds it
     assert len(megatron) == STEPS
     assert local == pytest.approx(megatron, rel=1e-12, abs=0.0)
     if warmup:  # from 0 to the peak
