@@ -582,8 +582,11 @@ def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
             Step(
                 f"sandbox host {index}",
                 host,
+                # no CPUs for Ray, whatever ray_start_args say (the last value counts):
+                # slime's RolloutManager (1 CPU, no placement group) and other CPU actors
+                # stay on training nodes; the fleet's host actors ask for none
                 f"ray start --block --address {address} --node-ip-address {host} --num-gpus 0 "
-                f"--resources {resources} --disable-usage-stats{extra}",
+                f"--resources {resources} --disable-usage-stats{extra} --num-cpus 0",
                 "background",
             )
         )

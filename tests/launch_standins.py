@@ -55,7 +55,7 @@ def on_a_training_node():
     }
 
 
-@ray.remote(resources={"opd_sandbox_host": 1})
+@ray.remote(num_cpus=0, resources={"opd_sandbox_host": 1})  # the host offers no CPU
 def on_the_sandbox_host():
     return {"ip": ray.util.get_node_ip_address(), "gpus": ray.get_gpu_ids()}
 

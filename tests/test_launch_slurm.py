@@ -118,6 +118,8 @@ def _check_the_run(tmp_path: Path, cluster: Any, state: str) -> None:
     sandbox = [n for n in report["nodes"] if "opd_sandbox_host" in n["resources"]]
     assert len(report["nodes"]) == 3 and len(gpu_ips) == 2, report["nodes"]
     assert len(sandbox) == 1 and sandbox[0]["resources"].get("GPU", 0) == 0
+    # nor CPUs: the job's CPU actors (slime's RolloutManager) stay on training nodes
+    assert sandbox[0]["resources"].get("CPU", 0) == 0, sandbox
     addresses = set(cluster.node_addresses.values())
     assert gpu_ips <= addresses and sandbox[0]["ip"] in addresses
     training = report["training"]

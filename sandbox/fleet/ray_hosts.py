@@ -102,12 +102,14 @@ class RayHost:
         owner: str,
         *,
         node_id: str | None = None,
-        num_cpus: float = 0.1,
+        num_cpus: float = 0.0,
         resources: dict[str, float] | None = None,
         blocking_threads: int = 256,
     ) -> RayHost:
         """Start the host's actor (on `node_id` when given; it is not restarted if it
-        dies: its sandboxes died with it, and the fleet's breaker moves work elsewhere)."""
+        dies: its sandboxes died with it, and the fleet's breaker moves work elsewhere).
+        No CPU by default: `opd launch` starts sandbox hosts with none for Ray, so that
+        the job's CPU actors (slime's RolloutManager) cannot land on them."""
         options: dict[str, Any] = {
             "num_cpus": num_cpus,
             "resources": resources or {},
@@ -214,7 +216,7 @@ def spawn_per_node(
     configs_for: Callable[[SandboxNode], Sequence[HostConfig]],
     owner: str,
     resource: str = SANDBOX_RESOURCE,
-    num_cpus: float = 0.1,
+    num_cpus: float = 0.0,
 ) -> list[RayHost]:
     """Host actors pinned to every alive node that offers `resource`: one per setting
     `configs_for(node)` gives (names must differ across the fleet)."""
