@@ -117,16 +117,17 @@ def loss(
             chunk_size=_chunk_size(args),
             mask=mask,  # every use of `student` is within the loss mask
         )
-    old, clip = _old_logprobs(args, batch, slices)
+    recipe = job.algorithm.recipe
+    # the old log-probs enter the sampled KL's ratio (OPD, OPSD) and OPRD's failure branch
+    reads_old = recipe == "oprd" or (recipe in ("opd", "opsd") and top is None)
+    old, clip = _old_logprobs(args, batch, slices) if reads_old else (None, None)
     if old is not None and _recomputed(args):
         old = old + _padding_shift(args, local_logits, targets, shard, mask, student)
-    if job.algorithm.recipe == "oprd":
+    if recipe == "oprd":
         return _oprd_loss(
             job, args, batch, slices, student, mask, sum_of_sample_mean, (old, clip), top
         )
-    result, kl = _recipe_loss(
-        job.algorithm.recipe, args, batch, slices, student, mask, (old, clip), top
-    )
+    result, kl = _recipe_loss(recipe, args, batch, slices, student, mask, (old, clip), top)
     # kl_coef weighs the KL to the teacher only, as in the local trainer
     coef = job.algorithm.kl_coef if kl is not None else 1.0
     total = sum_of_sample_mean(result.per_token * coef)
