@@ -266,6 +266,23 @@ def launch(
             "the snapshot sync), last started first; under Slurm, scancel the job instead.",
         ),
     ] = False,
+    rehearse: Annotated[
+        bool,
+        typer.Option(
+            "--rehearse",
+            help="Rehearse the job on this machine at rehearsal scale (tiny models of the "
+            "student's architecture, a few trajectories, 2 rollouts, every node a loopback "
+            "address here): prints each component up or down, each stage's time and a "
+            "projected step time; exit 0 only when every component worked.",
+        ),
+    ] = False,
+    rehearse_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where the rehearsal's models, run and logs go (default: a new "
+            "directory under the system's temp dir)."
+        ),
+    ] = None,
     detach: Annotated[
         bool,
         typer.Option(
@@ -289,6 +306,13 @@ def launch(
     problems = launch_problems(config, place_hosts=sbatch is None)
     if problems:
         raise _refuse(f"cannot launch: {path}", problems)
+    if rehearse:
+        if dry_run or sbatch or stop or detach:
+            raise _refuse(
+                f"cannot rehearse: {path}",
+                ["--rehearse runs alone (no --dry-run, --sbatch, --stop or --detach)"],
+            )
+        raise typer.Exit(code=0 if _rehearse(config, rehearse_dir) else 1)
     try:
         if sbatch is not None:
             sbatch.parent.mkdir(parents=True, exist_ok=True)
@@ -332,6 +356,29 @@ def launch(
         )
     else:
         console.print(f"[green]the job ended[/green]; its output: {config.logging.run_dir}/logs")
+
+
+def _rehearse(config: JobConfig, directory: Path | None) -> bool:
+    """launch/rehearsal.py: prepare, run, report; whether every component worked."""
+    import tempfile
+
+    from launch.rehearsal import RehearsalError, prepare
+    from launch.rehearsal_report import render
+    from launch.rehearsal_run import run
+
+    where = directory or Path(tempfile.mkdtemp(prefix="opd-rehearsal-"))
+    console.print(f"rehearsing in {where}", highlight=False)
+    try:
+        rehearsal = prepare(config, where)
+    except RehearsalError as err:
+        err_console.print(f"[red]cannot rehearse[/red] {escape(str(err))}", soft_wrap=True)
+        return False
+    outcome = run(rehearsal, lambda line: console.print(line, highlight=False, soft_wrap=True))
+    text, ok = render(rehearsal, outcome)
+    console.print(escape(text), highlight=False, soft_wrap=True)
+    verdict = "[green]every component worked[/green]" if ok else "[red]rehearsal failed[/red]"
+    console.print(verdict)
+    return ok
 
 
 @app.command("dashboard")

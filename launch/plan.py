@@ -415,7 +415,9 @@ def _convert_step(job: JobConfig, hosts: Hosts) -> Step:
     cluster = job.cluster
     target = shlex.quote(str(cluster.megatron_checkpoint))
     convert = (
-        f"{_in_slime(job)} && PYTHONPATH={shlex.quote(cluster.megatron_dir)} torchrun "
+        # the node's own PYTHONPATH kept after Megatron-LM's (its plugins, a site dir)
+        f"{_in_slime(job)} && PYTHONPATH={shlex.quote(cluster.megatron_dir)}"
+        "${PYTHONPATH:+:$PYTHONPATH} torchrun "
         f"--nproc-per-node {job.parallel.gpus_per_node} tools/convert_hf_to_torch_dist.py "
         '"${MODEL_ARGS[@]}" '
         f"--hf-checkpoint {shlex.quote(job.model.student)} --save {target}"

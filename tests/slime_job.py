@@ -15,7 +15,6 @@ Train-only replay: the rollouts are written beforehand in slime's own format (sl
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_ext.cpu_runtime import MEGATRON_FLAGS, runtime_env_vars
+from slime_ext.models.megatron_args import qwen3_model_args
 from tests.live_server import free_port
 from tests.ray_nodes import RayCluster, ray_cluster, ray_env
 
@@ -55,28 +55,7 @@ def cpu_env() -> dict[str, str]:
 
 def model_args(hf_dir: Path) -> list[str]:
     """MODEL_ARGS (slime's scripts/models/qwen3-*.sh) of a Qwen3 HF checkpoint."""
-    config = json.loads((hf_dir / "config.json").read_text())
-    rope = config.get("rope_parameters") or {}
-    args = [
-        "--swiglu",
-        "--num-layers", str(config["num_hidden_layers"]),
-        "--hidden-size", str(config["hidden_size"]),
-        "--ffn-hidden-size", str(config["intermediate_size"]),
-        "--num-attention-heads", str(config["num_attention_heads"]),
-        "--group-query-attention",
-        "--num-query-groups", str(config["num_key_value_heads"]),
-        "--use-rotary-position-embeddings",
-        "--disable-bias-linear",
-        "--normalization", "RMSNorm",
-        "--norm-epsilon", str(config["rms_norm_eps"]),
-        "--rotary-base", str(int(rope.get("rope_theta", config.get("rope_theta", 10000)))),
-        "--vocab-size", str(config["vocab_size"]),
-        "--kv-channels", str(config["head_dim"]),
-        "--qk-layernorm",
-    ]  # fmt: skip
-    if not config.get("tie_word_embeddings", False):
-        args.append("--untie-embeddings-and-output-weights")
-    return args
+    return qwen3_model_args(hf_dir)
 
 
 def cpu_spec(train_args: Sequence[str]) -> list[str]:

@@ -1,0 +1,422 @@
+"""`opd launch CONFIG --rehearse`: the user's job at rehearsal scale on this machine.
+
+The job of CONFIG, its flags, hooks, recipe, sequence layout, teacher port, sandbox hosts
+and plan, with what cannot run here replaced and said so (each replacement is a note in
+the report):
+
+- the student: a tiny model of its architecture (the factory's Qwen3; for another
+  architecture the nearest one the CPU runtime trains, dense Qwen3), converted to
+  Megatron by the plan's own conversion step; the teacher: a larger tiny Qwen3 sharing
+  the student's tokenizer, served by `opd-teacher serve` (the HF backend: SGLang needs
+  CUDA);
+- the nodes: every node of the config becomes a loopback address of this host (one Ray
+  node each, its own temp dir and ports): the head, the teacher's node, each sandbox host.
+  The training workers are not started (one training node, one fake GPU, TP = CP = 1;
+  with `colocate: false`, a second fake GPU for the engine);
+- every process runs under the CPU runtime (slime_ext/cpu_runtime, a test and rehearsal
+  aid): slime's engines are the SGLang stand-in engine;
+- the work: a few trajectories (2 tasks x up to 2 samples, at most 3 turns of 48 tokens),
+  2 rollouts, a checkpoint after each; the tasks file's first rows when it is readable
+  here, else synthetic tasks of the harness (mini-SWE or arithmetic TIR);
+- W&B disabled, its own run directory (never the config's run_dir).
+
+The report (launch/rehearsal_report.py) comes from the plan's steps (which ran, which
+failed) and the job's own output (slime's perf lines and ours).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import secrets
+import shlex
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launch.plan import Hosts, Step
+from slime_ext.job.config import JobConfig, config_from_dict
+from slime_ext.job.sequence_layout import resolve as resolve_layout
+
+ROLLOUTS = 2
+TASKS = 2
+SAMPLES = 2
+TURNS = 3
+NEW_TOKENS = 48
+CONTEXT = {"swe": 2048, "tir": 512}
+"""The rehearsal's context budget per harness: a mini-SWE task's prompt and a few turns."""
+HEAD_CPUS = 12
+"""The head's Ray CPUs: slime asks one per GPU bundle and one per helper actor (the
+rollout manager, the engine, the router's), beyond this host's cores."""
+FIRST_ADDRESS = 40
+"""Nodes go on 127.0.0.40 and up (127.0.0.1 is rewritten by Ray to the host's address)."""
+STUDENT_PRESET, TEACHER_PRESET = "qwen3-tiny", "qwen3-small"
+
+
+class RehearsalError(RuntimeError):
+    """The rehearsal cannot be prepared here (what is missing and its fix)."""
+
+
+@dataclass
+class Rehearsal:
+    user: JobConfig
+    """The user's config, as given."""
+    job: JobConfig
+    """The rehearsal's: what runs."""
+    hosts: Hosts
+    names: dict[str, str]
+    """A rehearsal address -> the config's node it stands for."""
+    directory: Path
+    notes: list[str] = field(default_factory=list)
+    """Each thing that differs from the user's job, with why."""
+    api_key: str | None = None
+    """The teacher key the rehearsal made, when the config's variable is unset here."""
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.job.logging.run_dir) / "logs"
+
+
+def prepare(user: JobConfig, directory: Path) -> Rehearsal:
+    """The rehearsal's models, tasks and job config in `directory` (created)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    slime, megatron = _checkouts()
+    student_dir, teacher_dir = _models(user, directory, notes)
+    layout = resolve_layout(user)
+    tasks_file = _tasks(user, directory, notes)
+    hosts, names = _addresses(user)
+    model_args = directory / "model_args.sh"
+    model_args.write_text(f"MODEL_ARGS=({shlex.join(_model_args(student_dir, layout.layout))})\n")
+
+    data = user.model_dump(mode="json")
+    harness = user.rollout.harness
+    data["model"] |= {"student": str(student_dir), "tokenizer": None}
+    parallel = user.parallel
+    data["parallel"] = {
+        "num_nodes": 1,
+        "gpus_per_node": 1 if parallel.colocate else 2,
+        "max_tokens_per_gpu": CONTEXT[harness] + NEW_TOKENS,
+        "colocate": parallel.colocate,
+        **({} if parallel.colocate else {"rollout_gpus": 1}),
+    }
+    if parallel.world_size > 1 or parallel.rollout_gpus:
+        notes.append(
+            f"parallel: {_layout_text(user)} needs {parallel.world_size} GPUs; here one "
+            "training node with one fake GPU (TP = CP = PP = 1)"
+            + ("" if parallel.colocate else " and one for the engine")
+            + ": the layout is not rehearsed here"
+        )
+    data["rollout"] |= {
+        "max_turns": min(user.rollout.max_turns, TURNS),
+        "max_new_tokens": min(user.rollout.max_new_tokens, NEW_TOKENS),
+        "max_context_tokens": min(user.rollout.max_context_tokens, CONTEXT[harness]),
+        "tasks_per_step": TASKS,
+        "samples_per_task": min(user.rollout.samples_per_task, SAMPLES),
+        "concurrency": min(user.rollout.concurrency, TASKS * SAMPLES),
+    }
+    data["sandbox"] |= {
+        "command_timeout_s": min(user.sandbox.command_timeout_s, 30),
+        "max_sandboxes": min(user.sandbox.max_sandboxes, TASKS * SAMPLES),
+        "warm_per_image": 0,
+    }
+    if harness == "swe" and user.sandbox.backend != "local":
+        data["sandbox"]["backend"] = "local"
+        notes.append(
+            f"sandbox.backend {user.sandbox.backend}: rehearsed with local sandboxes "
+            "(bubblewrap) on the sandbox hosts; your task images are not started here"
+        )
+    data["algorithm"] |= {"steps": ROLLOUTS, "sequence_layout": layout.layout}
+    data["logging"] |= {
+        "run_dir": str(directory / "run"),
+        "wandb_mode": "disabled",
+        "save_every_steps": 1,
+    }
+    if user.logging.wandb_mode != "disabled":
+        notes.append(f"logging.wandb_mode {user.logging.wandb_mode}: disabled here")
+    data["teacher"] = _teacher(user, hosts, student_dir, teacher_dir, notes)
+    venv = Path(sys.executable).parent
+    env = _cpu_env(slime, megatron)
+    data["cluster"] |= {
+        "executor": "local",
+        "head": hosts.head,
+        "workers": [],
+        "sandbox_hosts": list(hosts.sandbox),
+        # this interpreter's environment, not a login shell's (bash -l resets PATH)
+        # and the CPU runtime in every process a step starts (the conversion's too)
+        "remote_shell": [
+            "env",
+            f"PATH={venv}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            *(f"{key}={value}" for key, value in env.items()),
+            "bash",
+            "--norc",
+            "--noprofile",
+            "-c",
+        ],
+        "slime_dir": str(slime),
+        "megatron_dir": str(megatron),
+        "model_args_script": str(model_args),
+        "megatron_checkpoint": str(directory / "torch_dist"),
+        "save_dir": str(directory / "save"),
+        "tasks_file": str(tasks_file),
+        "env": {**user.cluster.env, **env},
+        "extra_train_args": [*user.cluster.extra_train_args, *_cpu_train_args(layout.layout)],
+        "ray_wait_s": min(user.cluster.ray_wait_s, 180),
+    }
+    job = config_from_dict(data)
+    api_key = None
+    name = job.teacher.api_key_env
+    if name and not os.environ.get(name) and job.teacher.kind != "embedded":
+        api_key = secrets.token_urlsafe(24)
+        notes.append(f"teacher.api_key_env: {name} is unset here; the rehearsal made a key")
+    return Rehearsal(user, job, hosts, names, directory, notes, api_key)
+
+
+def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:
+    """The plan's steps with each Ray node on its own temp dir and port block (several Ray
+    nodes on one host, REFERENCE.md) and the head's fake-GPU node given its CPUs."""
+    temp = Path(f"/tmp/opd-rh-{os.getpid()}")  # short: Ray's socket paths hold 107 bytes
+    base = random.Random().randrange(20000, 40000, 1000)
+    placed = []
+    for step in steps:
+        if step.command.startswith("ray start"):
+            index = int(step.host.rsplit(".", 1)[1]) - FIRST_ADDRESS
+            port = base + index * 100
+            extra = [
+                f"--temp-dir={temp}/{index}",
+                f"--node-manager-port={port}",
+                f"--object-manager-port={port + 1}",
+                f"--metrics-export-port={port + 2}",
+                f"--dashboard-agent-listen-port={port + 3}",
+                f"--dashboard-agent-grpc-port={port + 4}",
+                f"--runtime-env-agent-port={port + 5}",
+                f"--min-worker-port={port + 10}",
+                f"--max-worker-port={port + 99}",
+            ]
+            if step.host not in rehearsal.hosts.sandbox:  # those keep their --num-cpus 0
+                extra.append(f"--num-cpus={HEAD_CPUS}")
+            step = Step(
+                step.name,
+                step.host,
+                f"{step.command} {shlex.join(extra)}",
+                step.kind,
+                step.content,
+                step.note,
+                step.gpus,
+                step.ends_itself,
+            )
+        placed.append(step)
+    return placed
+
+
+def port_problems(rehearsal: Rehearsal) -> list[tuple[str, str]]:
+    """(component, why) for each port a daemon of the plan will listen on that something
+    here already holds: the teacher's on its node, Ray's and its dashboard on the head."""
+    job, hosts = rehearsal.job, rehearsal.hosts
+    wanted = []
+    if hosts.teacher is not None:
+        wanted.append(("teacher", hosts.teacher, job.teacher.port))
+    wanted += [
+        ("Ray head", hosts.head, job.cluster.ray_port),
+        ("Ray head", hosts.head, job.cluster.dashboard_port),
+    ]
+    problems = []
+    for component, address, port in wanted:
+        with socket.socket() as probe:
+            # as servers bind: a port whose old connections wait out TIME_WAIT is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address, port))
+            except OSError as err:
+                node = rehearsal.names.get(address, address)
+                problems.append(
+                    (
+                        component,
+                        f"port {port} on {node} (here {address}) is taken: {err.strerror}. "
+                        "Stop what holds it, or set another port in the config",
+                    )
+                )
+    return problems
+
+
+def _checkouts() -> tuple[Path, Path]:
+    """slime's and Megatron-LM's checkouts installed here (`make slime`)."""
+    found = {}
+    for name in ("slime", "megatron.training"):
+        try:
+            spec = importlib.util.find_spec(name)  # found, not imported (Megatron is slow)
+        except ImportError:
+            spec = None
+        if spec is None or spec.origin is None:
+            raise RehearsalError(
+                f"{name} is not installed here (slime and Megatron-LM's training package): "
+                "run `make slime`"
+            )
+        found[name] = Path(spec.origin).resolve()
+    return found["slime"].parents[1], found["megatron.training"].parents[2]
+
+
+def _models(user: JobConfig, directory: Path, notes: list[str]) -> tuple[Path, Path]:
+    from slime_ext.models.factory import build_checkpoint
+
+    student_type = _model_type(user.model.student)
+    if student_type == "qwen3":
+        notes.append(f"student {user.model.student}: the factory's tiny Qwen3 (its architecture)")
+    else:
+        seen = f"a {student_type} model" if student_type else "not readable here"
+        notes.append(
+            f"student {user.model.student} ({seen}): the factory's tiny Qwen3, the nearest "
+            "architecture the CPU runtime trains"
+        )
+    student = directory / "student"
+    if not (student / "config.json").is_file():
+        build_checkpoint(STUDENT_PRESET, student, seed=3)
+    teacher = directory / "teacher"
+    if not (teacher / "config.json").is_file():
+        build_checkpoint(TEACHER_PRESET, teacher, seed=1)
+    if user.teacher.kind == "remote" and user.teacher.model:
+        notes.append(
+            f"teacher {user.teacher.model}: the factory's {TEACHER_PRESET} (the student's "
+            "tokenizer, twice its depth)"
+        )
+    return student, teacher
+
+
+def _model_type(path: str) -> str | None:
+    try:
+        return str(json.loads(Path(path, "config.json").read_text()).get("model_type"))
+    except (OSError, ValueError):
+        return None
+
+
+def _model_args(student: Path, layout: str) -> list[str]:
+    """MODEL_ARGS as slime's scripts/models/qwen3-*.sh define them, with the CPU runtime's
+    Megatron settings and layer spec (the conversion step sources them too)."""
+    from slime_ext.cpu_runtime import MEGATRON_FLAGS
+    from slime_ext.models.megatron_args import qwen3_model_args
+
+    return [*qwen3_model_args(student), *MEGATRON_FLAGS, *_cpu_spec(layout)]
+
+
+def _cpu_spec(layout: str) -> list[str]:
+    spec = "tree_layer_spec" if layout == "packed" else "layer_spec"
+    return ["--spec", "slime_ext.cpu_runtime.spec", spec]
+
+
+def _cpu_train_args(layout: str) -> list[str]:
+    """After the plan's own arguments: the CPU runtime's (its layer spec in place of the
+    plan's tree attention, no train offload) and an optimizer Megatron-LM accepts here."""
+    from slime_ext.cpu_runtime import SLIME_FLAGS
+
+    optimizer = ["--adam-beta1", "0.9", "--adam-beta2", "0.999", "--adam-eps", "1e-8"]
+    return [*SLIME_FLAGS, *_cpu_spec(layout), *optimizer]
+
+
+def _cpu_env(slime: Path, megatron: Path) -> dict[str, str]:
+    from slime_ext.cpu_runtime import runtime_env_vars
+
+    env = runtime_env_vars(str(slime))
+    env["PYTHONPATH"] += f":{megatron}"
+    return env | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _tasks(user: JobConfig, directory: Path, notes: list[str]) -> Path:
+    """The tasks file's first rows when readable here, else synthetic tasks."""
+    out = directory / "tasks.jsonl"
+    wanted = TASKS * ROLLOUTS
+    source = user.cluster.tasks_file
+    if source and user.algorithm.recipe not in ("sft", "ssd"):
+        try:
+            with open(source) as rows:
+                lines = [line for line, _ in zip(rows, range(wanted), strict=False)]
+        except OSError as err:
+            notes.append(f"cluster.tasks_file {source}: {err.strerror}; synthetic tasks here")
+        else:
+            if len(lines) < wanted:
+                raise RehearsalError(
+                    f"cluster.tasks_file {source} has {len(lines)} row(s); a rehearsal "
+                    f"takes {wanted}"
+                )
+            out.write_text("".join(line if line.endswith("\n") else line + "\n" for line in lines))
+            return out
+    out.write_text("".join(json.dumps(row) + "\n" for row in synthetic_rows(user, wanted)))
+    return out
+
+
+def synthetic_rows(user: JobConfig, count: int) -> list[dict[str, Any]]:
+    """`count` task rows for slime's --prompt-data of the job's harness."""
+    if user.algorithm.recipe in ("sft", "ssd"):
+        raise RehearsalError(
+            f"algorithm.recipe {user.algorithm.recipe} trains on pre-tokenized records; a "
+            "rehearsal of it is not supported (rehearse the job that collects them)"
+        )
+    if user.rollout.harness == "swe":
+        from rollout.tasks.mini_swe import generate_tasks
+
+        return [
+            {"prompt": task.prompt, "label": None, "metadata": {"task": task.model_dump()}}
+            for task in generate_tasks(count, seed=5)
+        ]
+    from rollout.tasks.arithmetic import make_tasks
+
+    return [
+        {"prompt": task.prompt, "label": task.answer, "metadata": {}}
+        for task in make_tasks(count, "train", seed=0)
+    ]
+
+
+def _addresses(user: JobConfig) -> tuple[Hosts, dict[str, str]]:
+    """A loopback address for the head, the teacher's node and each sandbox host."""
+    cluster = user.cluster
+    head = cluster.head or "the head node"
+    teacher = user.teacher.node
+    roles = [head, *([teacher] if teacher else []), *cluster.sandbox_hosts]
+    names = {f"127.0.0.{FIRST_ADDRESS + i}": name for i, name in enumerate(roles)}
+    addresses = list(names)
+    hosts = Hosts(
+        addresses[0],
+        [],
+        addresses[1] if teacher else None,
+        addresses[1 + bool(teacher) :],
+    )
+    return hosts, names
+
+
+def _teacher(
+    user: JobConfig, hosts: Hosts, student: Path, model: Path, notes: list[str]
+) -> dict[str, Any]:
+    teacher = user.teacher.model_dump(mode="json")
+    if user.teacher.kind == "embedded":
+        return teacher
+    # kind self: the frozen snapshot is the (rehearsal's) student
+    teacher["model"] = str(model if user.teacher.kind == "remote" else student)
+    teacher["hint_max_new_tokens"] = min(user.teacher.hint_max_new_tokens, NEW_TOKENS)
+    teacher["hint_attempt_tokens"] = min(user.teacher.hint_attempt_tokens, 512)
+    if hosts.teacher is None:  # a service the user runs elsewhere: its URL, as given
+        return teacher
+    if user.teacher.backend == "sglang":
+        notes.append("teacher.backend sglang: the HF backend here (SGLang needs CUDA)")
+    if user.teacher.tp > 1:
+        notes.append(f"teacher.tp {user.teacher.tp}: 1 here")
+    # the plan's own flags first; these after them win (the last value of an option)
+    here = ["--device", "cpu", "--dtype", "float32", "--host", hosts.teacher]
+    teacher |= {
+        "backend": "hf",
+        "tp": 1,
+        "node": hosts.teacher,
+        "url": None,
+        "serve_args": [*user.teacher.serve_args, *here],
+    }
+    return teacher
+
+
+def _layout_text(user: JobConfig) -> str:
+    p = user.parallel
+    return (
+        f"{p.num_nodes} node(s) x {p.gpus_per_node} GPU(s), TP {p.tp} x CP {p.cp} x "
+        f"PP {p.pp} x DP {p.data_parallel}"
+    )
