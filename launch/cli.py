@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -276,6 +276,15 @@ def launch(
             "projected step time; exit 0 only when every component worked.",
         ),
     ] = False,
+    rehearse_on: Annotated[
+        str,
+        typer.Option(
+            help="here: every node a loopback address of this machine, under the CPU "
+            "runtime; nodes: the config's own nodes through its executor (each checked "
+            "reachable first; the rehearsal's files under logging.run_dir/rehearsal, which "
+            "they must share).",
+        ),
+    ] = "here",
     rehearse_dir: Annotated[
         Path | None,
         typer.Option(
@@ -312,7 +321,12 @@ def launch(
                 f"cannot rehearse: {path}",
                 ["--rehearse runs alone (no --dry-run, --sbatch, --stop or --detach)"],
             )
-        raise typer.Exit(code=0 if _rehearse(config, rehearse_dir) else 1)
+        if rehearse_on not in ("here", "nodes"):
+            raise _refuse(
+                f"cannot rehearse: {path}", [f"--rehearse-on {rehearse_on!r}: here or nodes"]
+            )
+        on: Literal["here", "nodes"] = "nodes" if rehearse_on == "nodes" else "here"
+        raise typer.Exit(code=0 if _rehearse(config, rehearse_dir, on) else 1)
     try:
         if sbatch is not None:
             sbatch.parent.mkdir(parents=True, exist_ok=True)
@@ -358,7 +372,7 @@ def launch(
         console.print(f"[green]the job ended[/green]; its output: {config.logging.run_dir}/logs")
 
 
-def _rehearse(config: JobConfig, directory: Path | None) -> bool:
+def _rehearse(config: JobConfig, directory: Path | None, on: Literal["here", "nodes"]) -> bool:
     """launch/rehearsal.py: prepare, run, report; whether every component worked."""
     import tempfile
 
@@ -366,10 +380,12 @@ def _rehearse(config: JobConfig, directory: Path | None) -> bool:
     from launch.rehearsal_report import render
     from launch.rehearsal_run import run
 
-    where = directory or Path(tempfile.mkdtemp(prefix="opd-rehearsal-"))
-    console.print(f"rehearsing in {where}", highlight=False)
+    if directory is None:
+        default = Path(config.logging.run_dir) / "rehearsal"
+        directory = default if on == "nodes" else Path(tempfile.mkdtemp(prefix="opd-rehearsal-"))
+    console.print(f"rehearsing {'on the nodes' if on == 'nodes' else 'here'} in {directory}")
     try:
-        rehearsal = prepare(config, where)
+        rehearsal = prepare(config, directory, on)
     except RehearsalError as err:
         err_console.print(f"[red]cannot rehearse[/red] {escape(str(err))}", soft_wrap=True)
         return False

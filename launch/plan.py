@@ -411,12 +411,16 @@ def _wait(url: str, timeout_s: int = 1800) -> str:
 
 
 def _convert_step(job: JobConfig, hosts: Hosts) -> Step:
-    """HF -> Megatron torch_dist, skipped when the checkpoint is there already."""
+    """HF -> Megatron torch_dist, skipped when the checkpoint is there already; with the
+    job's `cluster.env`, as its Ray job has it (a PYTHONPATH there after Megatron-LM's)."""
     cluster = job.cluster
     target = shlex.quote(str(cluster.megatron_checkpoint))
+    env = dict(cluster.env)
+    path = ":".join(p for p in (cluster.megatron_dir, env.pop("PYTHONPATH", "")) if p)
+    assignments = "".join(f"{name}={shlex.quote(value)} " for name, value in env.items())
     convert = (
-        # the node's own PYTHONPATH kept after Megatron-LM's (its plugins, a site dir)
-        f"{_in_slime(job)} && PYTHONPATH={shlex.quote(cluster.megatron_dir)}"
+        # the node's own PYTHONPATH kept last (its plugins, a site dir)
+        f"{_in_slime(job)} && {assignments}PYTHONPATH={shlex.quote(path)}"
         "${PYTHONPATH:+:$PYTHONPATH} torchrun "
         f"--nproc-per-node {job.parallel.gpus_per_node} tools/convert_hf_to_torch_dist.py "
         '"${MODEL_ARGS[@]}" '

@@ -36,10 +36,11 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from launch.plan import Hosts, Step
-from slime_ext.job.config import JobConfig, config_from_dict
+from launch.plan import Hosts, Step, hosts_from_config
+from slime_ext.cpu_runtime import ENV_FLAG
+from slime_ext.job.config import RECIPES_WITH_TEACHER, JobConfig, config_from_dict
 from slime_ext.job.sequence_layout import resolve as resolve_layout
 
 ROLLOUTS = 2
@@ -55,6 +56,7 @@ rollout manager, the engine, the router's), beyond this host's cores."""
 FIRST_ADDRESS = 40
 """Nodes go on 127.0.0.40 and up (127.0.0.1 is rewritten by Ray to the host's address)."""
 STUDENT_PRESET, TEACHER_PRESET = "qwen3-tiny", "qwen3-small"
+Where = Literal["here", "nodes"]
 
 
 class RehearsalError(RuntimeError):
@@ -75,23 +77,30 @@ class Rehearsal:
     """Each thing that differs from the user's job, with why."""
     api_key: str | None = None
     """The teacher key the rehearsal made, when the config's variable is unset here."""
+    on: Where = "here"
 
     @property
     def log_dir(self) -> Path:
         return Path(self.job.logging.run_dir) / "logs"
 
 
-def prepare(user: JobConfig, directory: Path) -> Rehearsal:
-    """The rehearsal's models, tasks and job config in `directory` (created)."""
+def prepare(user: JobConfig, directory: Path, on: Where = "here") -> Rehearsal:
+    """The rehearsal's models, tasks and job config in `directory` (created; on the
+    nodes, a path every node sees)."""
     directory.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
-    slime, megatron = _checkouts()
+    # here everything runs under the CPU runtime; on the nodes where the job's own
+    # environment carries it (nodes without GPUs, as in this project's tests)
+    cpu = on == "here" or user.cluster.env.get(ENV_FLAG) == "1"
+    if on == "here":
+        slime, megatron = _checkouts()
     student_dir, teacher_dir = _models(user, directory, notes)
     layout = resolve_layout(user)
     tasks_file = _tasks(user, directory, notes)
-    hosts, names = _addresses(user)
+    hosts, names = _addresses(user) if on == "here" else _nodes(user, notes)
     model_args = directory / "model_args.sh"
-    model_args.write_text(f"MODEL_ARGS=({shlex.join(_model_args(student_dir, layout.layout))})\n")
+    args = _model_args(student_dir, layout.layout, cpu)
+    model_args.write_text(f"MODEL_ARGS=({shlex.join(args)})\n")
 
     data = user.model_dump(mode="json")
     harness = user.rollout.harness
@@ -107,7 +116,7 @@ def prepare(user: JobConfig, directory: Path) -> Rehearsal:
     if parallel.world_size > 1 or parallel.rollout_gpus:
         notes.append(
             f"parallel: {_layout_text(user)} needs {parallel.world_size} GPUs; here one "
-            "training node with one fake GPU (TP = CP = PP = 1)"
+            f"training node with one {'fake ' if cpu else ''}GPU (TP = CP = PP = 1)"
             + ("" if parallel.colocate else " and one for the engine")
             + ": the layout is not rehearsed here"
         )
@@ -124,11 +133,13 @@ def prepare(user: JobConfig, directory: Path) -> Rehearsal:
         "max_sandboxes": min(user.sandbox.max_sandboxes, TASKS * SAMPLES),
         "warm_per_image": 0,
     }
-    if harness == "swe" and user.sandbox.backend != "local":
+    synthetic = any(note.startswith("cluster.tasks_file") for note in notes)
+    if harness == "swe" and user.sandbox.backend != "local" and (on == "here" or synthetic):
         data["sandbox"]["backend"] = "local"
+        why = "here" if on == "here" else "(the synthetic mini-SWE tasks name no image)"
         notes.append(
             f"sandbox.backend {user.sandbox.backend}: rehearsed with local sandboxes "
-            "(bubblewrap) on the sandbox hosts; your task images are not started here"
+            f"(bubblewrap) on the sandbox hosts; your task images are not started {why}"
         )
     data["algorithm"] |= {"steps": ROLLOUTS, "sequence_layout": layout.layout}
     data["logging"] |= {
@@ -138,10 +149,30 @@ def prepare(user: JobConfig, directory: Path) -> Rehearsal:
     }
     if user.logging.wandb_mode != "disabled":
         notes.append(f"logging.wandb_mode {user.logging.wandb_mode}: disabled here")
-    data["teacher"] = _teacher(user, hosts, student_dir, teacher_dir, notes)
+    data["teacher"] = _teacher(user, hosts, student_dir, teacher_dir, notes, on)
+    rehearsal_paths = {
+        "workers": [],
+        "model_args_script": str(model_args),
+        "megatron_checkpoint": str(directory / "torch_dist"),
+        "save_dir": str(directory / "save"),
+        "tasks_file": str(tasks_file),
+        "extra_train_args": [
+            *user.cluster.extra_train_args,
+            *(_cpu_train_args(layout.layout) if cpu else ()),
+        ],
+        "ray_wait_s": min(user.cluster.ray_wait_s, 180),
+    }
+    if on == "nodes":
+        data["cluster"] |= rehearsal_paths
+        if user.parallel.num_nodes > 1:
+            notes.append(
+                f"cluster.workers: {', '.join(user.cluster.workers)} checked reachable, not "
+                "started (the rehearsal trains on the head)"
+            )
+        return _finish(user, config_from_dict(data), hosts, names, directory, notes, on)
     venv = Path(sys.executable).parent
     env = _cpu_env(slime, megatron)
-    data["cluster"] |= {
+    data["cluster"] |= rehearsal_paths | {
         "executor": "local",
         "head": hosts.head,
         "workers": [],
@@ -159,21 +190,26 @@ def prepare(user: JobConfig, directory: Path) -> Rehearsal:
         ],
         "slime_dir": str(slime),
         "megatron_dir": str(megatron),
-        "model_args_script": str(model_args),
-        "megatron_checkpoint": str(directory / "torch_dist"),
-        "save_dir": str(directory / "save"),
-        "tasks_file": str(tasks_file),
         "env": {**user.cluster.env, **env},
-        "extra_train_args": [*user.cluster.extra_train_args, *_cpu_train_args(layout.layout)],
-        "ray_wait_s": min(user.cluster.ray_wait_s, 180),
     }
-    job = config_from_dict(data)
+    return _finish(user, config_from_dict(data), hosts, names, directory, notes, on)
+
+
+def _finish(
+    user: JobConfig,
+    job: JobConfig,
+    hosts: Hosts,
+    names: dict[str, str],
+    directory: Path,
+    notes: list[str],
+    on: Where,
+) -> Rehearsal:
     api_key = None
     name = job.teacher.api_key_env
-    if name and not os.environ.get(name) and job.teacher.kind != "embedded":
+    if on == "here" and name and not os.environ.get(name) and job.teacher.kind != "embedded":
         api_key = secrets.token_urlsafe(24)
         notes.append(f"teacher.api_key_env: {name} is unset here; the rehearsal made a key")
-    return Rehearsal(user, job, hosts, names, directory, notes, api_key)
+    return Rehearsal(user, job, hosts, names, directory, notes, api_key, on)
 
 
 def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:
@@ -213,9 +249,9 @@ def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:
     return placed
 
 
-def port_problems(rehearsal: Rehearsal) -> list[tuple[str, str]]:
-    """(component, why) for each port a daemon of the plan will listen on that something
-    here already holds: the teacher's on its node, Ray's and its dashboard on the head."""
+def wanted_ports(rehearsal: Rehearsal) -> list[tuple[str, str, int]]:
+    """(component, host, port) a daemon of the plan will listen on: the teacher's on its
+    node, Ray's and its dashboard's on the head."""
     job, hosts = rehearsal.job, rehearsal.hosts
     wanted = []
     if hosts.teacher is not None:
@@ -224,8 +260,13 @@ def port_problems(rehearsal: Rehearsal) -> list[tuple[str, str]]:
         ("Ray head", hosts.head, job.cluster.ray_port),
         ("Ray head", hosts.head, job.cluster.dashboard_port),
     ]
+    return wanted
+
+
+def port_problems(rehearsal: Rehearsal) -> list[tuple[str, str]]:
+    """(component, why) for each port of `wanted_ports` that something here already holds."""
     problems = []
-    for component, address, port in wanted:
+    for component, address, port in wanted_ports(rehearsal):
         with socket.socket() as probe:
             # as servers bind: a port whose old connections wait out TIME_WAIT is free
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -270,7 +311,7 @@ def _models(user: JobConfig, directory: Path, notes: list[str]) -> tuple[Path, P
         seen = f"a {student_type} model" if student_type else "not readable here"
         notes.append(
             f"student {user.model.student} ({seen}): the factory's tiny Qwen3, the nearest "
-            "architecture the CPU runtime trains"
+            "architecture the rehearsal builds (and the CPU runtime trains)"
         )
     student = directory / "student"
     if not (student / "config.json").is_file():
@@ -293,13 +334,14 @@ def _model_type(path: str) -> str | None:
         return None
 
 
-def _model_args(student: Path, layout: str) -> list[str]:
-    """MODEL_ARGS as slime's scripts/models/qwen3-*.sh define them, with the CPU runtime's
-    Megatron settings and layer spec (the conversion step sources them too)."""
+def _model_args(student: Path, layout: str, cpu: bool) -> list[str]:
+    """MODEL_ARGS as slime's scripts/models/qwen3-*.sh define them; under the CPU runtime
+    with its Megatron settings and layer spec (the conversion step sources them too)."""
     from slime_ext.cpu_runtime import MEGATRON_FLAGS
     from slime_ext.models.megatron_args import qwen3_model_args
 
-    return [*qwen3_model_args(student), *MEGATRON_FLAGS, *_cpu_spec(layout)]
+    args = qwen3_model_args(student)
+    return [*args, *MEGATRON_FLAGS, *_cpu_spec(layout)] if cpu else args
 
 
 def _cpu_spec(layout: str) -> list[str]:
@@ -373,7 +415,7 @@ def _addresses(user: JobConfig) -> tuple[Hosts, dict[str, str]]:
     """A loopback address for the head, the teacher's node and each sandbox host."""
     cluster = user.cluster
     head = cluster.head or "the head node"
-    teacher = user.teacher.node
+    teacher = _teacher_node(user)
     roles = [head, *([teacher] if teacher else []), *cluster.sandbox_hosts]
     names = {f"127.0.0.{FIRST_ADDRESS + i}": name for i, name in enumerate(roles)}
     addresses = list(names)
@@ -386,8 +428,34 @@ def _addresses(user: JobConfig) -> tuple[Hosts, dict[str, str]]:
     return hosts, names
 
 
+def _teacher_node(user: JobConfig) -> str | None:
+    """The node the rehearsal's teacher service runs on, as the config names it: its own
+    node, or for a service the user runs elsewhere (a URL) a stand-in of that service (a
+    tiny teacher must share the tiny student's tokenizer)."""
+    teacher = user.teacher
+    if teacher.kind == "embedded" or user.algorithm.recipe not in RECIPES_WITH_TEACHER:
+        return None
+    return teacher.node or f"the teacher at {teacher.url}"
+
+
+def _nodes(user: JobConfig, notes: list[str]) -> tuple[Hosts, dict[str, str]]:
+    """The config's own nodes: the head trains, the teacher's node serves (the head when
+    the config's teacher is a service elsewhere), the sandbox hosts host."""
+    hosts = hosts_from_config(user)
+    teacher = None
+    if _teacher_node(user) is not None:
+        teacher = hosts.teacher or hosts.head
+        if hosts.teacher is None:
+            notes.append(
+                f"teacher.url {user.teacher.url}: the rehearsal's tiny teacher is served on "
+                f"{hosts.head} (it must share the tiny student's tokenizer)"
+            )
+    names = {host: host for host in [hosts.head, *hosts.sandbox, *([teacher] if teacher else [])]}
+    return Hosts(hosts.head, [], teacher, list(hosts.sandbox)), names
+
+
 def _teacher(
-    user: JobConfig, hosts: Hosts, student: Path, model: Path, notes: list[str]
+    user: JobConfig, hosts: Hosts, student: Path, model: Path, notes: list[str], on: Where
 ) -> dict[str, Any]:
     teacher = user.teacher.model_dump(mode="json")
     if user.teacher.kind == "embedded":
@@ -396,12 +464,14 @@ def _teacher(
     teacher["model"] = str(model if user.teacher.kind == "remote" else student)
     teacher["hint_max_new_tokens"] = min(user.teacher.hint_max_new_tokens, NEW_TOKENS)
     teacher["hint_attempt_tokens"] = min(user.teacher.hint_attempt_tokens, 512)
-    if hosts.teacher is None:  # a service the user runs elsewhere: its URL, as given
+    if hosts.teacher is None:  # no teacher in this recipe
         return teacher
+    if user.teacher.tp > 1:
+        notes.append(f"teacher.tp {user.teacher.tp}: 1 for the tiny teacher")
+    if on == "nodes":
+        return teacher | {"tp": 1, "node": hosts.teacher, "url": None}
     if user.teacher.backend == "sglang":
         notes.append("teacher.backend sglang: the HF backend here (SGLang needs CUDA)")
-    if user.teacher.tp > 1:
-        notes.append(f"teacher.tp {user.teacher.tp}: 1 here")
     # the plan's own flags first; these after them win (the last value of an option)
     here = ["--device", "cpu", "--dtype", "float32", "--host", hosts.teacher]
     teacher |= {

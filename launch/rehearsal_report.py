@@ -28,6 +28,7 @@ from typing import Any
 from launch.plan import Step
 from launch.rehearsal import ROLLOUTS, Rehearsal
 from launch.rehearsal_run import Outcome
+from slime_ext.cpu_runtime import ENV_FLAG
 from slime_ext.job.config import RECIPES_WITH_TEACHER, JobConfig
 
 UP, DOWN, SKIPPED = "up", "down", "not reached"
@@ -88,7 +89,8 @@ def _number(value: Any) -> bool:
 def components(rehearsal: Rehearsal, outcome: Outcome) -> list[Component]:
     """Every component, in the order the launch brings them up."""
     if outcome.refused:
-        found = [Component(name, DOWN, why) for name, why in outcome.refused]
+        found = [Component(name, UP, how) for name, how in outcome.checked]
+        found += [Component(name, DOWN, why) for name, why in outcome.refused]
         return [*found, Component("everything else", SKIPPED, "nothing was started")]
     names = rehearsal.names
     listed: list[Component] = []
@@ -110,7 +112,9 @@ def components(rehearsal: Rehearsal, outcome: Outcome) -> list[Component]:
             listed += _job_components(rehearsal, outcome, "")
         else:
             host = outcome.steps[numbers[0] - 1].host
-            where = f" on {names[host]} (here {host})" if host in names else ""
+            where = f" on {names.get(host, host)}" if host != "local" else ""
+            if names.get(host, host) != host:
+                where += f" (here {host})"
             seconds = sum(outcome.step_seconds.get(outcome.steps[n - 1].name, 0) for n in numbers)
             listed.append(Component(name, UP, f"{seconds:.1f} s{where}"))
     return listed
@@ -464,7 +468,13 @@ def render(rehearsal: Rehearsal, outcome: Outcome) -> tuple[str, bool]:
             shown = f"{stage.seconds:8.2f} s" if stage.seconds is not None else "       -  "
             lines.append(f"  {stage.name.ljust(18)} {shown}  {stage.detail}")
         projection = project(rehearsal, outcome)
-        lines += ["", "projected step at full scale (CPU rates of tiny models: arithmetic only):"]
+        cpu = rehearsal.job.cluster.env.get(ENV_FLAG) == "1"
+        rates = (
+            "CPU rates of tiny models: the arithmetic and the shares only"
+            if cpu
+            else "tiny models run far below a large one's throughput: read the shares"
+        )
+        lines += ["", f"projected step at full scale ({rates}):"]
         lines += [f"  {line}" for line in projection.lines]
         total = f"{projection.seconds:,.0f} s" if projection.seconds is not None else "unknown"
         lines.append(f"  projected step time: {total}")

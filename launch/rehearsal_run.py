@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.plan import Step, build_plan, slug
-from launch.rehearsal import Rehearsal, place_here, port_problems
+from launch.plan import Step, build_plan, hosts_from_config, slug
+from launch.rehearsal import Rehearsal, place_here, port_problems, wanted_ports
 
 STEP_LINE = re.compile(r"^\[(\d+)/(\d+)\] ")
 RAY_TOKEN = Path.home() / ".ray/auth_token"
@@ -28,6 +31,8 @@ class Outcome:
     error: str | None = None
     refused: list[tuple[str, str]] = field(default_factory=list)
     """(component, why) found before anything started: nothing ran."""
+    checked: list[tuple[str, str]] = field(default_factory=list)
+    """(component, how) that passed those checks (the nodes reached)."""
     step_seconds: dict[str, float] = field(default_factory=dict)
     job_output: str = ""
 
@@ -36,9 +41,14 @@ def run(rehearsal: Rehearsal, report: Callable[[str], None], timeout_s: float = 
     """The plan of the rehearsal's job, run to its end (its daemons stopped after)."""
     from launch.executor import Executor, LaunchError
 
-    steps = place_here(build_plan(rehearsal.job, rehearsal.hosts, wait_for_job=True), rehearsal)
+    steps = build_plan(rehearsal.job, rehearsal.hosts, wait_for_job=True)
+    if rehearsal.on == "here":
+        steps = place_here(steps, rehearsal)
     outcome = Outcome(steps)
-    outcome.refused = port_problems(rehearsal)
+    if rehearsal.on == "here":
+        outcome.refused = port_problems(rehearsal)
+    else:
+        outcome.refused = node_problems(rehearsal, outcome.checked)
     if outcome.refused:
         return outcome
     started: dict[str, float] = {}
@@ -68,6 +78,82 @@ def run(rehearsal: Rehearsal, report: Callable[[str], None], timeout_s: float = 
     if submit.is_file():
         outcome.job_output = submit.read_text(errors="replace")
     return outcome
+
+
+PROBE_TIMEOUT_S = 60
+PORT_PROBE = (
+    "import socket, sys; s = socket.socket(); "
+    "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', int(sys.argv[1])))"
+)
+
+
+def node_problems(
+    rehearsal: Rehearsal, checked: list[tuple[str, str]] | None = None
+) -> list[tuple[str, str]]:
+    """(component, why) for each node of the config this machine cannot reach through the
+    job's executor, then (all reached) each port a daemon needs that is taken there; the
+    nodes reached go to `checked`."""
+    from launch.executor import Executor
+
+    user = rehearsal.user
+    hosts = hosts_from_config(user)
+    roles = {hosts.head: f"training node {hosts.head} (the head)"}
+    roles |= {worker: f"training node {worker}" for worker in hosts.workers}
+    if rehearsal.hosts.teacher:
+        roles.setdefault(rehearsal.hosts.teacher, f"teacher node {rehearsal.hosts.teacher}")
+    roles |= {host: f"sandbox host {host}" for host in hosts.sandbox}
+    cluster = rehearsal.job.cluster
+    ssh = list(cluster.ssh_command)
+    if ssh and Path(ssh[0]).name == "ssh":  # a dead node fails in seconds, not minutes
+        ssh += ["-o", "ConnectTimeout=10"]
+    probe = Executor(
+        rehearsal.job.model_copy(
+            update={"cluster": cluster.model_copy(update={"ssh_command": ssh})}
+        )
+    )
+
+    def answer(host: str, command: str) -> str | None:
+        """None when `command` ends 0 on `host`, else what went wrong."""
+        try:
+            done = subprocess.run(
+                probe.command_for(host, command),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=PROBE_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return f"no answer within {PROBE_TIMEOUT_S} s"
+        except OSError as err:
+            return str(err)
+        if done.returncode == 0:
+            return None
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return f"exit {done.returncode}" + (f": {lines[-1]}" if lines else "")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        reached = dict(zip(roles, pool.map(lambda h: answer(h, "true"), roles), strict=True))
+    problems = [
+        (roles[host], f"unreachable through cluster.executor {cluster.executor} ({why})")
+        for host, why in reached.items()
+        if why is not None
+    ]
+    if checked is not None:
+        checked += [(roles[host], "reachable") for host, why in reached.items() if why is None]
+    if problems:
+        return problems
+    for component, host, port in wanted_ports(rehearsal):
+        why = answer(host, f"python3 -c {shlex.quote(PORT_PROBE)} {port}")
+        if why is not None:
+            problems.append(
+                (
+                    component,
+                    f"port {port} on {host} cannot be bound ({why}): stop what holds "
+                    "it, or set another port in the config",
+                )
+            )
+    return problems
 
 
 @contextmanager

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +28,7 @@ from launch.plan import build_plan
 from launch.rehearsal import Rehearsal, place_here, port_problems, prepare
 from launch.rehearsal_report import (
     DOWN,
+    SANDBOXES,
     SKIPPED,
     UP,
     JobOutput,
@@ -35,13 +38,22 @@ from launch.rehearsal_report import (
     stages,
 )
 from launch.rehearsal_run import Outcome
-from slime_ext.job.config import load_config
-from tests.launch_standins import LEFTOVERS
+from slime_ext.cpu_runtime import runtime_env_vars
+from slime_ext.job.config import config_to_yaml, load_config
+from tests import slime_job
+from tests.launch_real_job import RAY_CPUS
+from tests.launch_standins import LEFTOVERS, ray_node_args
+from tests.live_server import free_port
 from tests.slurm_cluster import _processes
+from tests.ssh_nodes import SshNodes, require_ssh, ssh_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "launch/configs/swe-opd-cluster.yaml"
 OUTPUT = (ROOT / "tests/data/rehearsal/job-output.txt").read_text()
+KEY = "OPD_TEACHER_API_KEY"  # the reference config's teacher.api_key_env
+RAY_TOKEN = Path.home() / ".ray/auth_token"
+OCTET = "$(set -- $SSH_CONNECTION; echo ${3##*.})"
+"""A node tells itself apart by its address: SSH_CONNECTION's third field."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +67,7 @@ def _outcome(rehearsal: Rehearsal, failed_at: str | None = None, output: str = "
     reached = names.index(failed_at) + 1 if failed_at else len(steps)
     error = f"step {reached}/{len(steps)} '{failed_at}' failed: exit code 1" if failed_at else None
     seconds = {name: 1.0 for name in names[: reached - (1 if failed_at else 0)]}
-    return Outcome(steps, reached, error, [], seconds, output)
+    return Outcome(steps, reached, error, step_seconds=seconds, job_output=output)
 
 
 def test_the_rehearsal_job_keeps_the_users_nodes_ports_and_layout_choice(
@@ -246,3 +258,106 @@ def test_a_taken_teacher_port_ends_the_rehearsal_naming_the_teacher(tmp_path: Pa
     assert "rehearsal failed" in output
     assert not (tmp_path / "rehearsal/run/logs").exists()  # nothing was started
     assert _left(marker, within_s=0) == []
+
+
+def _on_nodes(directory: Path, nodes: SshNodes, sandbox: list[str], ray_temp: Path) -> Path:
+    """The reference config on ssh nodes of this host (tests/ssh_nodes.py): the head, the
+    teacher's node and `sandbox`, the job's environment carrying the CPU runtime as a
+    GPU-less user's would (tests/launch_real_job.py); its config file."""
+    head, teacher = nodes.addresses[:2]
+    slime = slime_job.slime_dir()
+    megatron = Path(__import__("megatron.training").training.__file__).parents[2]
+    overrides = [
+        f"cluster.head={head}",
+        "cluster.workers=[]",
+        f"cluster.sandbox_hosts=[{','.join(sandbox)}]",
+        f"teacher.node={teacher}",
+        f"teacher.port={free_port()}",
+        "teacher.backend=hf",
+        "teacher.serve_args=[--device, cpu, --dtype, float32]",
+        "parallel.num_nodes=1",
+        "parallel.dp=1",
+        f"logging.run_dir={directory / 'run'}",
+        f"cluster.slime_dir={slime}",
+        f"cluster.megatron_dir={megatron}",
+        f"cluster.ray_port={free_port()}",
+        f"cluster.dashboard_port={free_port()}",
+        "cluster.ray_wait_s=180",
+    ]
+    job = load_config(CONFIG, overrides)
+    sent = [KEY] + (["RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"] if RAY_TOKEN.exists() else [])
+    venv = Path(sys.executable).parent
+    env = runtime_env_vars(str(slime))
+    env["PYTHONPATH"] += f":{megatron}"
+    cluster = job.cluster.model_copy(
+        update={
+            "ssh_command": [*nodes.ssh_command, "-o", f"SendEnv={' '.join(sent)}"],
+            # a node's login shell knows nothing of this venv (test_launch_ssh.py)
+            "remote_shell": [
+                "env",
+                f"PATH={venv}:/usr/local/bin:/usr/bin:/bin",
+                f"PYTHONPATH={ROOT}",
+                "bash",
+                "--norc",
+                "--noprofile",
+                "-c",
+            ],
+            "env": env | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+            "ray_start_args": ray_node_args(ray_temp, OCTET, OCTET, RAY_CPUS),
+        }
+    )
+    path = directory / "job.yaml"
+    path.write_text(config_to_yaml(job.model_copy(update={"cluster": cluster})))
+    return path
+
+
+def _rehearse_on_nodes(config: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, KEY: "k-" + uuid.uuid4().hex, "PYTHONPATH": str(ROOT)}
+    if RAY_TOKEN.exists():
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(RAY_TOKEN)}
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "opd"), "launch", str(config), "--rehearse",
+         "--rehearse-on", "nodes"],
+        capture_output=True, text=True, env=env, timeout=timeout_s, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_on_the_nodes_an_unreachable_sandbox_host_is_named_then_the_job_rehearses_whole(
+    tmp_path: Path,
+) -> None:
+    require_ssh()
+    ray_temp = Path(tempfile.mkdtemp(prefix="opd-ray-"))
+    try:
+        with ssh_nodes(tmp_path / "ssh", count=4) as nodes:
+            head, teacher, first, second = nodes.addresses
+            dead = f"{head.rsplit('.', 1)[0]}.250"  # this sshd does not answer there
+            config = _on_nodes(tmp_path, nodes, [first, dead], ray_temp)
+            done = _rehearse_on_nodes(config, timeout_s=120)
+            output = done.stdout + done.stderr
+            assert done.returncode == 1, output[-4000:]
+            assert re.search(rf"sandbox host {re.escape(dead)} +down: unreachable", output), output
+            for node in (f"training node {head} (the head)", f"sandbox host {first}"):
+                assert re.search(rf"{re.escape(node)} +up: reachable", output), output
+            assert not (tmp_path / "run/rehearsal/run/logs").exists()  # nothing started
+
+            config = _on_nodes(tmp_path, nodes, [first, second], ray_temp)
+            done = _rehearse_on_nodes(config, timeout_s=480)
+            output = done.stdout + done.stderr
+            assert done.returncode == 0, output[-6000:]
+            report = output[output.index("components:") :]
+            for component in (f"teacher service ({teacher})", f"sandbox host {second}",
+                              "checkpoint conversion", "teacher scoring", SANDBOXES,
+                              "training", "weight sync", "checkpoint"):  # fmt: skip
+                assert re.search(rf"{re.escape(component)} +up", report), (component, report)
+            assert _ssh_left(nodes) == []
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
+
+
+def _ssh_left(nodes: SshNodes) -> list[str]:
+    deadline = time.monotonic() + 30
+    while (left := nodes.leftovers(LEFTOVERS)) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
