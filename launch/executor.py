@@ -15,7 +15,8 @@ what it started itself when a step fails or is interrupted (Ctrl-C), or, with
 
 While a step runs, the daemons started before it are checked every `watch_s` seconds: one
 that ended (its host lost, its process killed) fails the step at once, instead of leaving
-it to time out on a dead service. A foreground step's output goes to
+it to time out on a dead service; one the job goes on without (a sandbox host:
+`Step.needed` False) is reported once and the step goes on. A foreground step's output goes to
 run_dir/logs/<step>.log here, where the launch runs.
 """
 
@@ -70,6 +71,10 @@ class Executor:
         self.wait_timeout_s = wait_timeout_s
         self.watch_s = watch_s
         self.log_dir = f"{job.logging.run_dir}/logs"
+        self._spare: list[Step] = []
+        """The daemons started so far that the job goes on without (Step.needed False)."""
+        self._lost: list[Step] = []
+        """Those of them already reported ended."""
 
     def command_for(self, host: str, command: str) -> list[str]:
         """The local argv that runs `command` in a login shell on `host`."""
@@ -93,8 +98,9 @@ class Executor:
             self.report(f"[{number}/{len(steps)}] {step.name} @ {step.host}")
             started = time.monotonic()
             daemons = [s for s in steps[: number - 1] if s.kind == "background"]
+            self._spare = [s for s in daemons if not s.ends_itself and not s.needed]
             try:
-                self._run_step(step, [s for s in daemons if not s.ends_itself])
+                self._run_step(step, [s for s in daemons if not s.ends_itself and s.needed])
             except LaunchError as err:
                 stopped = ""
                 if teardown_on_failure and any(s.kind == "background" for s in steps[:number]):
@@ -175,6 +181,15 @@ class Executor:
         return None
 
     def _check_daemons(self, daemons: list[Step]) -> None:
+        """Raise when a needed daemon ended; report (once) a spare one that ended."""
+        watched = [s for s in self._spare if s not in self._lost]
+        lost = self.ended_daemon(watched) if watched else None
+        if lost is not None:
+            self._lost.append(lost)
+            self.report(
+                f"    the daemon '{lost.name}' on {lost.host} ended (its log: {self.log_dir}/"
+                f"{slug(lost.name)}.log on {lost.host}); the job goes on without it"
+            )
         ended = self.ended_daemon(daemons)
         if ended is not None:
             raise LaunchError(
@@ -243,7 +258,7 @@ class Executor:
             now = time.monotonic()
             if self.step_timeout_s is not None and now - started > self.step_timeout_s:
                 raise LaunchError(f"no exit within {self.step_timeout_s:.0f} s")
-            if daemons and now >= next_check:
+            if (daemons or self._spare) and now >= next_check:
                 self._check_daemons(daemons)
                 next_check = time.monotonic() + self.watch_s
 
@@ -252,7 +267,7 @@ class Executor:
         next_check = time.monotonic() + self.watch_s
         last = "no answer yet"
         while time.monotonic() < deadline:
-            if daemons and time.monotonic() >= next_check:
+            if (daemons or self._spare) and time.monotonic() >= next_check:
                 self._check_daemons(daemons)
                 next_check = time.monotonic() + self.watch_s
             try:

@@ -67,6 +67,10 @@ class Step:
     """A background step that finishes on its own (the snapshot sync, after its last
     step). Every other background step is a daemon the job needs: one that ends while a
     later step runs stops the launch (and its teardown runs)."""
+    needed: bool = True
+    """False: a daemon the job goes on without (a sandbox host: the fleet places the
+    sandboxes on the other hosts, and stops the job itself when every rollout of several
+    steps in a row fails on its sandboxes); its end is reported, not fatal."""
 
 
 @dataclass(frozen=True)
@@ -594,6 +598,9 @@ def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
                 f"ray start --block --address {address} --node-ip-address {host} --num-gpus 0 "
                 f"--resources {resources} --disable-usage-stats{extra} --num-cpus 0",
                 "background",
+                note="the job goes on if this host is lost: the trajectories in its sandboxes "
+                "end sandbox_error, the fleet opens the next ones on the other hosts",
+                needed=False,
             )
         )
     nodes = 1 + len(hosts.workers) + len(hosts.sandbox)
@@ -766,7 +773,7 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         '  step "$@" > "$LOGS/$name.log" 2>&1 &',
         '  DAEMONS+=("$!") NEEDED+=("$!") NEEDED_NAMES+=("$name")',
         "}",
-        "# beside NAME GROUP GPUS HOST COMMAND: a background step that may end by itself",
+        "# beside NAME GROUP GPUS HOST COMMAND: a background step the job may outlive",
         "beside() {",
         "  local name=$1; shift",
         '  step "$@" > "$LOGS/$name.log" 2>&1 &',
@@ -807,7 +814,7 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         node, group = group_of[step.host]
         where = f'{group} "{gpus if step.gpus and group == 0 else ""}" "{node}"'
         if step.kind == "background":
-            starter = "beside" if step.ends_itself else "daemon"
+            starter = "beside" if step.ends_itself or not step.needed else "daemon"
             lines.append(f"{starter} {slug(step.name)} {where} {shlex.quote(step.command)}")
         else:
             lines.append(f"watched step {where} {shlex.quote(step.command)}")

@@ -26,6 +26,7 @@ failed) and the job's own output (slime's perf lines and ours).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -235,16 +236,7 @@ def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:
             ]
             if step.host not in rehearsal.hosts.sandbox:  # those keep their --num-cpus 0
                 extra.append(f"--num-cpus={HEAD_CPUS}")
-            step = Step(
-                step.name,
-                step.host,
-                f"{step.command} {shlex.join(extra)}",
-                step.kind,
-                step.content,
-                step.note,
-                step.gpus,
-                step.ends_itself,
-            )
+            step = dataclasses.replace(step, command=f"{step.command} {shlex.join(extra)}")
         placed.append(step)
     return placed
 

@@ -98,6 +98,10 @@ def components(rehearsal: Rehearsal, outcome: Outcome) -> list[Component]:
     groups: dict[str, list[int]] = {}
     for number, step in enumerate(outcome.steps, start=1):
         groups.setdefault(_component_of(step, rehearsal), []).append(number)
+
+    def step_names(numbers: list[int]) -> list[str]:
+        return [outcome.steps[n - 1].name for n in numbers]
+
     for name, numbers in groups.items():
         if failed and failed in numbers:
             why = _error_text(outcome.error or "")
@@ -110,6 +114,8 @@ def components(rehearsal: Rehearsal, outcome: Outcome) -> list[Component]:
             listed += [Component(part, SKIPPED) for part in parts]
         elif name == "the job":
             listed += _job_components(rehearsal, outcome, "")
+        elif lost := [outcome.lost[s] for s in step_names(numbers) if s in outcome.lost]:
+            listed.append(Component(name, DOWN, lost[0]))
         else:
             host = outcome.steps[numbers[0] - 1].host
             where = f" on {names.get(host, host)}" if host != "local" else ""

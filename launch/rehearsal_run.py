@@ -18,6 +18,7 @@ from launch.plan import Step, build_plan, hosts_from_config, slug
 from launch.rehearsal import Rehearsal, place_here, port_problems, wanted_ports
 
 STEP_LINE = re.compile(r"^\[(\d+)/(\d+)\] ")
+LOST_LINE = re.compile(r"^    the daemon '([^']+)' on \S+ ended")
 RAY_TOKEN = Path.home() / ".ray/auth_token"
 
 
@@ -34,6 +35,8 @@ class Outcome:
     checked: list[tuple[str, str]] = field(default_factory=list)
     """(component, how) that passed those checks (the nodes reached)."""
     step_seconds: dict[str, float] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)
+    """A daemon the job went on without (a sandbox host) -> the launch's line about it."""
     job_output: str = ""
 
 
@@ -59,6 +62,8 @@ def run(rehearsal: Rehearsal, report: Callable[[str], None], timeout_s: float = 
             outcome.reached += 1
             if steps[outcome.reached - 1].name == "submit":
                 report(f"    the job's output: {rehearsal.log_dir / 'submit.log'}")
+        elif lost := LOST_LINE.match(line):
+            outcome.lost[lost[1]] = line.strip()
         elif line.startswith("    done in ") and outcome.reached:
             name = steps[outcome.reached - 1].name
             started[name] = float(line.split()[2])

@@ -116,6 +116,7 @@ def ray_cluster(
     attempts: int = 2,
     head_args: tuple[str, ...] = ("--num-cpus=1",),
     node_env: dict[str, str] | None = None,
+    node_cpus: int = 1,
 ) -> Iterator[RayCluster]:
     """A head (no resources but `head_args`: 1 CPU by default) and one worker node per
     entry of `resources` (its custom resources), all alive before it yields; every node's
@@ -136,7 +137,10 @@ def ray_cluster(
         for attempt in range(attempts):
             cluster = RayCluster("")
             try:
-                _form(cluster, root / f"a{attempt}", resources, env, ready_timeout_s, head_args)
+                _form(
+                    cluster, root / f"a{attempt}", resources, env, ready_timeout_s, head_args,
+                    node_cpus,
+                )  # fmt: skip
                 break
             except RuntimeError:
                 _kill_all(cluster, root / f"a{attempt}")
@@ -160,9 +164,11 @@ def _form(
     env: dict[str, str],
     ready_timeout_s: float,
     head_args: tuple[str, ...] = ("--num-cpus=1",),
+    node_cpus: int = 1,
 ) -> None:
-    """Start the head, wait for it, then the other nodes; RuntimeError with every node's
-    log when they are not all alive within `ready_timeout_s`."""
+    """Start the head, wait for it, then the other nodes (`node_cpus` CPUs each);
+    RuntimeError with every node's log when they are not all alive within
+    `ready_timeout_s`."""
     root.mkdir(parents=True, exist_ok=True)
     base = random.Random().randrange(20000, 50000, 1000)
     gcs_port = base + 999
@@ -184,7 +190,7 @@ def _form(
         args = [
             f"--address={cluster.gcs_address}",
             f"--node-ip-address={address}",
-            "--num-cpus=1",
+            f"--num-cpus={node_cpus}",
             f"--resources={json.dumps(extra)}",
             *_port_args(base + 100 * index),
         ]

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from launch.plan import SANDBOX_RESOURCE
 from slime_ext.cpu_runtime import MEGATRON_FLAGS, runtime_env_vars
 from slime_ext.models.megatron_args import qwen3_model_args
 from tests.live_server import free_port
@@ -122,14 +123,19 @@ def save_replay(directory: Path, rollouts: Sequence[Sequence[Any]]) -> str:
 
 
 @contextmanager
-def cpu_cluster(root: Path, gpus: int, env: dict[str, str] | None = None) -> Iterator[RayCluster]:
-    """One loopback Ray node with `gpus` fake GPUs (and CPUs beyond the cores: slime asks a
-    CPU per GPU bundle and one per helper actor), its processes under the CPU runtime and
-    `env`."""
+def cpu_cluster(
+    root: Path, gpus: int, env: dict[str, str] | None = None, sandbox_hosts: int = 0
+) -> Iterator[RayCluster]:
+    """A loopback Ray head with `gpus` fake GPUs (and CPUs beyond the cores: slime asks a
+    CPU per GPU bundle and one per helper actor) and `sandbox_hosts` nodes offering the
+    sandbox-host resource and no CPU (as `opd launch` starts them), their processes under
+    the CPU runtime and `env`."""
     node_env = cpu_env() | (env or {})
+    hosts = [{SANDBOX_RESOURCE: 1.0}] * sandbox_hosts
     with ray_cluster(
-        root, [], head_args=(f"--num-gpus={gpus}", "--num-cpus=16"), node_env=node_env
-    ) as cluster:
+        root, hosts, head_args=(f"--num-gpus={gpus}", "--num-cpus=16"), node_env=node_env,
+        node_cpus=0,
+    ) as cluster:  # fmt: skip
         yield cluster
 
 

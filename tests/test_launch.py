@@ -36,6 +36,7 @@ from launch.plan import (
     check_cluster,
     hosts_from_config,
     render_dry_run,
+    render_sbatch,
     secret_names,
 )
 from slime_ext.job.config import ConfigError, config_from_dict, load_config, read_config_data
@@ -1095,6 +1096,44 @@ def test_launch_stops_its_daemons_on_failure_and_an_earlier_launchs_before_start
     finally:
         for pid in _daemons_of(marker):
             os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_the_job_goes_on_without_is_reported_once_and_the_step_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A sandbox host (Step.needed False) that ends while a later step runs: the launch
+    says so once, with its log, and the step runs to its end."""
+    token = random.randrange(10**6, 10**7)
+    job = config_from_dict(
+        {
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+            "cluster": {"executor": "local", "remote_shell": ["bash", "-c"]},
+        }
+    )
+    lines: list[str] = []
+    executor = Executor(job, report=lines.append, watch_s=1.0)
+    host = Step("sandbox host 0", "localhost", f"sleep 2.{token}", "background", needed=False)
+    try:
+        executor.run([host, Step("train", "localhost", "sleep 6")], until_done=True)
+    finally:
+        for pid in _daemons_of(str(token)):
+            os.kill(int(pid), signal.SIGKILL)
+    ended = [line for line in lines if "'sandbox host 0' on localhost ended" in line]
+    assert len(ended) == 1 and "the job goes on without it" in ended[0], lines
+    assert "sandbox-host-0.log" in ended[0]
+    assert lines.index(ended[0]) < lines.index("the job ended: stopping its daemons")
+
+
+def test_sandbox_hosts_are_daemons_the_job_outlives_in_both_renderers() -> None:
+    job = load_config(ROOT / "launch/configs/swe-opd-cluster.yaml")
+    steps = build_plan(job, hosts_from_config(job))
+    hosts = [s for s in steps if s.name.startswith("sandbox host")]
+    assert len(hosts) == 2 and not any(s.needed for s in hosts)
+    assert all(s.needed for s in steps if s.kind == "background" and s not in hosts)
+    script = render_sbatch(job, Path("/tmp/x.sbatch"))
+    for index in range(2):
+        assert re.search(rf"^beside sandbox-host-{index} ", script, flags=re.M), script
 
 
 @pytest.mark.timeout(120)

@@ -12,12 +12,19 @@ takes the weights over update_weights_from_tensor. slime's train_async.py refuse
 colocated engines (its first line asserts it) and `opd launch` submits train.py, so the
 colocated run is train.py's.
 
-What must hold: every rollout completes and the OPD reverse KL to the teacher of the
-student's samples falls; after every update the engine's top-k log-probs of a fixed
+The disaggregated run is on the TIR task; the colocated one on mini-SWE tasks, whose
+sandboxes our generate hook opens through the fleet on two sandbox-host Ray nodes (local
+sandboxes there, as `opd launch` starts those nodes: a sandbox-host resource, no CPU).
+
+What must hold: in both, after every update the engine's top-k log-probs of a fixed
 prompt (the engine logs them: $OPD_STANDIN_PROBE_LOG) equal those of the trainer's model
-at that step (slime's --save-hf writes it), and the first update's equal the initial
-student's; when train.py ends, so have the engines. The colocated run's teacher is killed
-after 6 rollouts: the job stops, its error naming the teacher's address.
+at that step (slime's --save-hf writes it), the first update's equal the initial
+student's, and step 0's loss equals the local trainer's on the same samples; when
+train.py ends, so have the engines. On TIR the OPD reverse KL to the teacher of the
+student's samples falls. The colocated run loses a sandbox host during rollout 2 (its
+whole session killed): the trajectories whose sandboxes were there end sandbox_error and
+the job goes on, training every step; its teacher is killed after 6 rollouts: the job
+stops, its error naming the teacher's address.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +49,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from launch.plan import train_args
-from rollout.tasks.arithmetic import make_tasks
+from launch.rehearsal import synthetic_rows
 from slime_ext.cpu_runtime import SLIME_FLAGS
 from slime_ext.cpu_runtime.sglang_engine import PROBE_LOG_ENV, top_logprobs
 from slime_ext.job.config import config_from_dict
@@ -57,6 +64,8 @@ from tests.test_slime_train import Student, job_for, make_student
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 ROLLOUTS = 6
+LOST_AT = 2
+"""The rollout during which the SWE run loses a sandbox host."""
 LR = 3e-3
 MATCH = 1e-4
 """fp32 forwards of the same weights in two processes (Megatron's and HF's kernels)."""
@@ -108,16 +117,14 @@ def peaked_teacher(directory: Path) -> Path:
 
 
 def loop_args(student: Student, directory: Path, job: Any, rollouts: int) -> list[str]:
-    """What `opd launch` writes (job.yaml, hook config, the tasks file) and train.py's
-    arguments, as test_slime_train.prepare has them, without a replay."""
+    """What `opd launch` writes (job.yaml, hook config, the tasks file: the rehearsal's
+    rows of the job's harness) and train.py's arguments, as test_slime_train.prepare has
+    them, without a replay."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "job.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json")))
     hooks = {"opd_job_config": str(directory / "job.yaml")}
     (directory / "hooks.yaml").write_text(yaml.safe_dump(hooks))
-    rows = [
-        {"prompt": task.prompt, "label": task.answer, "metadata": {}}
-        for task in make_tasks(12, "train", seed=0)
-    ]
+    rows = synthetic_rows(job, 12)
     Path(str(job.cluster.tasks_file)).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return [
         *slime_job.model_args(student.hf_dir),
@@ -129,10 +136,15 @@ def loop_args(student: Student, directory: Path, job: Any, rollouts: int) -> lis
     ]  # fmt: skip
 
 
-def rollout_metric(log: Path, key: str) -> list[float]:
-    """`key` of each rollout, from slime's rollout log lines ("perf N: {...}")."""
+def rollout_metric(log: Path, key: str, missing: float | None = None) -> list[float]:
+    """`key` of each rollout, from slime's rollout log lines ("perf N: {...}"); a rollout
+    that did not log it counts `missing` (None: is left out)."""
+    text = log.read_text(errors="replace")
+    rollouts = {int(m[1]) for m in re.finditer(r"perf (\d+): \{'rollout/", text)}
     pattern = re.compile(rf"perf (\d+): .*'{re.escape(key)}': (-?[\d.e+-]+)")
-    found = {int(m[1]): float(m[2]) for m in pattern.finditer(log.read_text(errors="replace"))}
+    found = {int(m[1]): float(m[2]) for m in pattern.finditer(text)}
+    if missing is not None:
+        found = {r: found.get(r, missing) for r in rollouts}
     return [found[k] for k in sorted(found)]
 
 
@@ -208,30 +220,40 @@ class Loop:
 
 def run_loop(
     tmp_path: Path, roots: pytest.TempPathFactory, student: Student, *, colocate: bool,
-    rollouts: int = ROLLOUTS, kill_teacher_at: int | None = None,
+    rollouts: int = ROLLOUTS, kill_teacher_at: int | None = None, swe: bool = False,
+    kill_sandbox_host_at: int | None = None,
 ) -> Loop:  # fmt: skip
-    """The job on a fresh loopback cluster (1 fake GPU colocated, else 2). With
-    `kill_teacher_at`, the teacher is killed once the engine reports that weight version;
-    the exit status is then the test's to judge. Every engine process is gone once
-    train.py has ended (before the cluster is torn down)."""
+    """The job on a fresh loopback cluster (1 fake GPU colocated, else 2); with `swe`, on
+    mini-SWE tasks whose sandboxes the fleet places on two sandbox-host nodes. With
+    `kill_teacher_at`, the teacher is killed once the engine reports that weight version
+    (the exit status is then the test's to judge); with `kill_sandbox_host_at`, the second
+    sandbox host (its whole session: a machine lost) a second after rollout N began.
+    Every engine process is gone once train.py has ended (before the cluster is torn
+    down)."""
     directory = tmp_path / "job"
     teacher_dir = peaked_teacher(tmp_path / "teacher")
     probes = tmp_path / "probes.jsonl"
     env = {PROBE_LOG_ENV: str(probes)}
+    gpus, hosts = 1 if colocate else 2, 2 if swe else 0
     with (
         teacher_service(teacher_dir, tmp_path / "teacher.log") as teacher,
-        slime_job.cpu_cluster(roots.mktemp("r"), gpus=1 if colocate else 2, env=env) as cluster,
+        slime_job.cpu_cluster(roots.mktemp("r"), gpus, env, sandbox_hosts=hosts) as cluster,
     ):
         job = job_for(
             student, directory, "opd", (1, 1, 1), colocate=colocate, save_every_steps=1,
             teacher={"kind": "remote", "url": teacher.url},
         )  # fmt: skip
+        if swe:
+            job = swe_job(job)
         extra = job.cluster.extra_train_args  # Adam as users run it: the student must learn
         extra[extra.index("--adam-eps") + 1] = "1e-8"
         extra[extra.index("--lr") + 1] = extra[extra.index("--min-lr") + 1] = str(LR)
         args = loop_args(student, directory, job, rollouts)
         if kill_teacher_at is not None:
-            watch = (probes, str(kill_teacher_at), teacher.process)
+            watch = (probes, str(kill_teacher_at), teacher.process.kill)
+            threading.Thread(target=kill_when_probed, args=watch, daemon=True).start()
+        if kill_sandbox_host_at is not None:  # weight version N + 1: rollout N began
+            watch = (probes, str(kill_sandbox_host_at + 1), cluster.nodes[2].kill, 1.0)
             threading.Thread(target=kill_when_probed, args=watch, daemon=True).start()
         log = directory / "train.log"
         returncode = slime_job.train(
@@ -243,14 +265,30 @@ def run_loop(
     return Loop(directory, log, returncode, teacher.url, by_version)
 
 
-def kill_when_probed(probes: Path, version: str, process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL `process` once the engine's probe log has `version`."""
+def kill_when_probed(
+    probes: Path, version: str, kill: Callable[[], None], after_s: float = 0.0
+) -> None:
+    """`kill()` `after_s` seconds after the engine's probe log has `version`."""
     deadline = time.monotonic() + 480
-    while time.monotonic() < deadline and process.poll() is None:
+    while time.monotonic() < deadline:
         if probes.exists() and f'"weight_version": "{version}"' in probes.read_text():
-            process.kill()
+            time.sleep(after_s)
+            kill()
             return
         time.sleep(0.05)
+
+
+def swe_job(job: Any) -> Any:
+    """`job` on mini-SWE tasks, 2 a step, 2 turns each, their sandboxes local ones on the
+    Ray nodes offering the sandbox-host resource (placed by the fleet)."""
+    data = job.model_dump(mode="json")
+    data["rollout"] |= {
+        "harness": "swe", "max_turns": 2, "max_context_tokens": 2048, "tasks_per_step": 2,
+        "samples_per_task": 1,
+    }  # fmt: skip
+    data["parallel"]["max_tokens_per_gpu"] = 2048 + data["rollout"]["max_new_tokens"]
+    data["sandbox"] |= {"backend": "local", "hosts": "ray", "command_timeout_s": 20}
+    return config_from_dict(data)
 
 
 def assert_gone(pids: set[int], log: Path, within_s: float = 30) -> None:
@@ -272,13 +310,17 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def assert_learned_and_followed(loop: Loop, student: Student) -> None:
-    """The KL and the engine's weights over the first ROLLOUTS rollouts (module doc)."""
+def assert_learned(loop: Loop) -> None:
+    """The student's own samples come nearer the teacher over the first ROLLOUTS rollouts
+    (about 4.2 -> 3.2 nats here, on the TIR task)."""
     kl = rollout_metric(loop.log, "rollout/opd_reverse_kl")[:ROLLOUTS]
     assert len(kl) == ROLLOUTS
-    # the student's own samples come nearer the teacher (about 4.2 -> 3.2 nats here)
     assert sum(kl[-2:]) < 0.9 * sum(kl[:2]), kl
 
+
+def assert_followed(loop: Loop, student: Student) -> None:
+    """The engine's weights after each of the first ROLLOUTS updates, and step 0's loss
+    (module doc)."""
     by_version = loop.probes
     assert [str(v) for v in range(1, ROLLOUTS + 2)] == sorted(by_version, key=int)[: ROLLOUTS + 1]
     assert gap(by_version["1"], probe(student.hf_dir)) < MATCH
@@ -304,18 +346,44 @@ def test_train_py_disaggregated_closes_the_loop_and_the_engine_follows_the_train
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, student: Student
 ) -> None:
     loop = run_loop(tmp_path, tmp_path_factory, student, colocate=False)
-    assert_learned_and_followed(loop, student)
+    assert_learned(loop)
+    assert_followed(loop, student)
 
 
 @pytest.mark.timeout(600)
-def test_train_py_colocated_follows_the_trainer_and_stops_naming_the_killed_teacher(
+def test_train_py_colocated_on_mini_swe_outlives_a_lost_sandbox_host_not_the_teacher(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, student: Student
 ) -> None:
+    """Colocated, on mini-SWE tasks whose sandboxes the fleet places on two sandbox-host
+    nodes: one node is lost during rollout 2 and the job goes on, every later step's
+    sandboxes opened on the other host (the fleet retries the starts the lost one fails,
+    its breaker opens) and trained on; then the teacher is killed and the job stops naming
+    it. The random student writes no valid command after a sandbox's setup, so no
+    trajectory uses its sandbox again after the loss: that a trajectory mid-command on a
+    lost host ends sandbox_error is tests/test_fleet_job.py's check (the same hook, a
+    scripted policy, a node killed mid-batch)."""
     loop = run_loop(
         tmp_path, tmp_path_factory, student, colocate=True, rollouts=ROLLOUTS + 6,
-        kill_teacher_at=ROLLOUTS + 1,
+        kill_teacher_at=ROLLOUTS + 1, swe=True, kill_sandbox_host_at=LOST_AT,
     )  # fmt: skip
-    assert_learned_and_followed(loop, student)
+    assert_followed(loop, student)
+    seen = [
+        retries + opens
+        for retries, opens in zip(
+            rollout_metric(loop.log, "rollout/sandbox_start_retries"),
+            rollout_metric(loop.log, "rollout/sandbox_breaker_opens"),
+            strict=True,
+        )
+    ]  # counters since the fleet opened
+    assert seen[LOST_AT - 1] == 0 and seen[ROLLOUTS - 1] > 0, seen  # the loss was seen
+    errors = rollout_metric(loop.log, "rollout/status_sandbox_error", missing=0.0)
+    # the job went on: every later step's sandboxes opened (during the loss, a trajectory
+    # whose setup was under way there would end sandbox_error, as it should)
+    assert all(errors[r] == 0 for r in range(ROLLOUTS) if r != LOST_AT), errors
+    for rollout_id in range(ROLLOUTS):
+        assert train_metrics(loop.log, rollout_id)["train/loss_tokens"] > 0
+    opened = rollout_metric(loop.log, "rollout/sandbox_acquired")
+    assert opened[ROLLOUTS - 1] == 2 * ROLLOUTS, opened  # 2 trajectories each step
     console = loop.log.read_text(errors="replace")
     assert loop.returncode != 0, console[-3000:]
     stop = re.search(
