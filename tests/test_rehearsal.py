@@ -50,6 +50,20 @@ from tests.ssh_nodes import SshNodes, require_ssh, ssh_nodes
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "launch/configs/swe-opd-cluster.yaml"
 OUTPUT = (ROOT / "tests/data/rehearsal/job-output.txt").read_text()
+COMPONENTS = (
+    "teacher service (teacher-node)",
+    "checkpoint conversion",
+    "Ray head (train-node-0)",
+    "sandbox host cpu-node-0",
+    "sandbox host cpu-node-1",
+    "rollout engines (generation)",
+    "teacher scoring",
+    SANDBOXES,
+    "training",
+    "weight sync",
+    "checkpoint",
+)
+"""The reference config's components a rehearsal reports."""
 KEY = "OPD_TEACHER_API_KEY"  # the reference config's teacher.api_key_env
 RAY_TOKEN = Path.home() / ".ray/auth_token"
 OCTET = "$(set -- $SSH_CONNECTION; echo ${3##*.})"
@@ -132,17 +146,7 @@ def test_the_job_output_gives_every_component_and_stage(rehearsal: Rehearsal) ->
     assert [c.state for c in listed] == [UP] * len(listed), listed
     names = [c.name for c in listed]
     assert names[:2] == ["run directory", "shared paths"]
-    for name in (
-        "teacher service (teacher-node)",
-        "sandbox host cpu-node-1",
-        "rollout engines (generation)",
-        "teacher scoring",
-        "sandboxes (through the fleet on the sandbox hosts)",
-        "training",
-        "weight sync",
-        "checkpoint",
-    ):
-        assert name in names
+    assert set(COMPONENTS) <= set(names), names
     measured = {s.name: s.seconds for s in stages(_outcome(rehearsal, output=OUTPUT))}
     assert measured["training"] == pytest.approx(parsed.perf[1]["perf/train_time"])
     assert measured["generation"] == pytest.approx(
@@ -225,19 +229,7 @@ def test_the_reference_config_rehearses_whole_here_and_leaves_nothing(tmp_path: 
     assert done.returncode == 0, output[-6000:]
     assert "every component worked" in output
     report = output[output.index("components:") :]
-    for component in (
-        "teacher service (teacher-node)",
-        "checkpoint conversion",
-        "Ray head (train-node-0)",
-        "sandbox host cpu-node-0",
-        "sandbox host cpu-node-1",
-        "rollout engines (generation)",
-        "teacher scoring",
-        "sandboxes (through the fleet on the sandbox hosts)",
-        "training",
-        "weight sync",
-        "checkpoint",
-    ):
+    for component in COMPONENTS:
         assert re.search(rf"{re.escape(component)} +up", report), (component, report)
     for stage in ("generation", "teacher scoring", "sandbox commands", "training", "weight sync"):
         assert re.search(rf"^  {stage} +\d+\.\d+ s", report, flags=re.M), (stage, report)
