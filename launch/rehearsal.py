@@ -33,6 +33,7 @@ import os
 import random
 import secrets
 import shlex
+import shutil
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ rollout manager, the engine, the router's), beyond this host's cores."""
 FIRST_ADDRESS = 40
 """Nodes go on 127.0.0.40 and up (127.0.0.1 is rewritten by Ray to the host's address)."""
 STUDENT_PRESET, TEACHER_PRESET = "qwen3-tiny", "qwen3-small"
+MARKER = ".opd-rehearsal"
+"""Marks a directory as a rehearsal's (its run/ and save/ are cleared when used again)."""
 Where = Literal["here", "nodes"]
 
 
@@ -87,8 +90,10 @@ class Rehearsal:
 
 def prepare(user: JobConfig, directory: Path, on: Where = "here") -> Rehearsal:
     """The rehearsal's models, tasks and job config in `directory` (created; on the
-    nodes, a path every node sees)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    nodes, a path every node sees). A directory a rehearsal used before is used again:
+    its models kept, its run and checkpoints cleared (the job would resume from them); any
+    other non-empty directory is refused."""
+    _claim(directory)
     notes: list[str] = []
     # here everything runs under the CPU runtime; on the nodes where the job's own
     # environment carries it (nodes without GPUs, as in this project's tests)
@@ -211,6 +216,19 @@ def _finish(
         api_key = secrets.token_urlsafe(24)
         notes.append(f"teacher.api_key_env: {name} is unset here; the rehearsal made a key")
     return Rehearsal(user, job, hosts, names, directory, notes, api_key, on)
+
+
+def _claim(directory: Path) -> None:
+    marker = directory / MARKER
+    if directory.is_dir() and not marker.exists() and any(directory.iterdir()):
+        raise RehearsalError(
+            f"{directory} is not empty and no rehearsal's: a rehearsal clears its run and "
+            "checkpoints there; choose another --rehearse-dir (or an empty one)"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    marker.write_text("a directory `opd launch --rehearse` made; it clears run/ and save/\n")
+    for products in ("run", "save"):
+        shutil.rmtree(directory / products, ignore_errors=True)
 
 
 def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:

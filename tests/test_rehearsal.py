@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from launch.plan import build_plan
-from launch.rehearsal import Rehearsal, place_here, port_problems, prepare
+from launch.rehearsal import Rehearsal, RehearsalError, place_here, port_problems, prepare
 from launch.rehearsal_report import (
     DOWN,
     SANDBOXES,
@@ -107,6 +107,21 @@ def test_the_rehearsal_job_keeps_the_users_nodes_ports_and_layout_choice(
         assert said in notes, (said, notes)
     tasks = Path(str(job.cluster.tasks_file)).read_text().splitlines()
     assert len(tasks) == 4 and all('"task"' in row for row in tasks)
+
+
+def test_a_rehearsal_directory_is_reused_cleared_and_a_foreign_one_refused(
+    rehearsal: Rehearsal, tmp_path: Path
+) -> None:
+    save = Path(str(rehearsal.job.cluster.save_dir))
+    save.mkdir(parents=True, exist_ok=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("1")  # would be resumed from
+    again = prepare(rehearsal.user, rehearsal.directory)
+    assert not save.exists() and Path(again.job.model.student, "config.json").is_file()
+    foreign = tmp_path / "a-real-run"
+    (foreign / "save").mkdir(parents=True)
+    with pytest.raises(RehearsalError, match="not empty and no rehearsal's"):
+        prepare(rehearsal.user, foreign)
+    assert (foreign / "save").is_dir()
 
 
 def test_each_ray_node_gets_its_own_temp_dir_and_ports_and_sandbox_hosts_no_cpu(
