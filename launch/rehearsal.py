@@ -58,6 +58,16 @@ rollout manager, the engine, the router's), beyond this host's cores."""
 FIRST_ADDRESS = 40
 """Nodes go on 127.0.0.40 and up (127.0.0.1 is rewritten by Ray to the host's address)."""
 STUDENT_PRESET, TEACHER_PRESET = "qwen3-tiny", "qwen3-small"
+CUDA_ONLY_FLAGS = {
+    "--use-precision-aware-optimizer": 0,  # Megatron asks Transformer Engine's version
+    "--optimizer-cpu-offload": 0,  # with the next, CUDA streams moving Adam states
+    "--overlap-cpu-optimizer-d2h-h2d": 0,
+    "--recompute-granularity": 1,  # activation recompute saves and restores CUDA RNG state
+    "--recompute-method": 1,
+    "--recompute-num-layers": 1,
+}
+"""slime/Megatron options that cannot run under the CPU runtime, each with its number of
+values."""
 MARKER = ".opd-rehearsal"
 """Marks a directory as a rehearsal's (its run/ and save/ are cleared when used again)."""
 Where = Literal["here", "nodes"]
@@ -119,6 +129,11 @@ def prepare(user: JobConfig, directory: Path, on: Where = "here") -> Rehearsal:
         "colocate": parallel.colocate,
         **({} if parallel.colocate else {"rollout_gpus": 1}),
     }
+    if parallel.num_experts:
+        notes.append(
+            f"parallel.num_experts {parallel.num_experts} (EP {parallel.ep}): the tiny "
+            "student is dense; expert parallelism is not rehearsed"
+        )
     if parallel.world_size > 1 or parallel.rollout_gpus:
         notes.append(
             f"parallel: {_layout_text(user)} needs {parallel.world_size} GPUs; here one "
@@ -163,7 +178,7 @@ def prepare(user: JobConfig, directory: Path, on: Where = "here") -> Rehearsal:
         "save_dir": str(directory / "save"),
         "tasks_file": str(tasks_file),
         "extra_train_args": [
-            *user.cluster.extra_train_args,
+            *(_without_cuda_flags(user, notes) if on == "here" else user.cluster.extra_train_args),
             *(_cpu_train_args(layout.layout) if cpu else ()),
         ],
         "ray_wait_s": min(user.cluster.ray_wait_s, 180),
@@ -357,6 +372,24 @@ def _model_args(student: Path, layout: str, cpu: bool) -> list[str]:
 def _cpu_spec(layout: str) -> list[str]:
     spec = "tree_layer_spec" if layout == "packed" else "layer_spec"
     return ["--spec", "slime_ext.cpu_runtime.spec", spec]
+
+
+def _without_cuda_flags(user: JobConfig, notes: list[str]) -> list[str]:
+    """The config's extra train arguments but those that need CUDA (CUDA_ONLY_FLAGS)."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    args = iter(user.cluster.extra_train_args)
+    for arg in args:
+        if arg in CUDA_ONLY_FLAGS:
+            dropped += [arg, *(next(args, "") for _ in range(CUDA_ONLY_FLAGS[arg]))]
+        else:
+            kept.append(arg)
+    if dropped:
+        notes.append(
+            f"cluster.extra_train_args {' '.join(dropped)}: left out here (they need "
+            "Transformer Engine, CUDA streams or CUDA's RNG state)"
+        )
+    return kept
 
 
 def _cpu_train_args(layout: str) -> list[str]:

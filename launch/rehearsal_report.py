@@ -184,9 +184,7 @@ def _job_components(rehearsal: Rehearsal, outcome: Outcome, failure: str) -> lis
     )
     checks.append(("rollout engines (generation)", generated, "tokens generated in every rollout"))
     if job.algorithm.recipe in RECIPES_WITH_TEACHER:
-        errors = sum(
-            out.rollout.get(r, {}).get("rollout/status_teacher_error", 0) for r in rollouts
-        )
+        errors = count("rollout/status_teacher_error")
         scored = each(out.rollout, "perf/teacher_time_per_turn") and errors == 0
         checks.append(
             (
@@ -195,10 +193,18 @@ def _job_components(rehearsal: Rehearsal, outcome: Outcome, failure: str) -> lis
                 "every turn scored" if scored else f"{errors:.0f} trajectories ended teacher_error",
             )
         )
-    if job.rollout.harness == "swe":
-        errors = sum(
-            out.rollout.get(r, {}).get("rollout/status_sandbox_error", 0) for r in rollouts
+    if any("rollout/hint_errors" in out.rollout.get(r, {}) for r in rollouts):
+        errors = out.last("rollout", "rollout/hint_errors") or 0.0  # the run's so far
+        critic = f" at {job.teacher.critic_url}" if job.teacher.critic_url else ""
+        checks.append(
+            (
+                f"hints (teacher.hint {job.teacher.hint}{critic})",
+                errors == 0,
+                "every hint made" if errors == 0 else f"{errors:.0f} hint requests failed",
+            )
         )
+    if job.rollout.harness == "swe":
+        errors = count("rollout/status_sandbox_error")
         acquired = out.last("rollout", "rollout/sandbox_acquired") or 0
         ok = acquired > 0 and errors == 0
         checks.append(

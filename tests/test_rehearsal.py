@@ -124,6 +124,19 @@ def test_a_rehearsal_directory_is_reused_cleared_and_a_foreign_one_refused(
     assert (foreign / "save").is_dir()
 
 
+def test_flags_that_need_cuda_are_left_out_here_and_said(tmp_path: Path) -> None:
+    user = load_config(ROOT / "launch/configs/swe-opsd-35b-a3b.yaml")
+    job = prepare(user, tmp_path / "rehearsal").job
+    args = job.cluster.extra_train_args
+    assert "--recompute-granularity" in user.cluster.extra_train_args
+    for gone in ("--recompute-granularity", "full", "--use-precision-aware-optimizer"):
+        assert gone not in args, args
+    assert "--use-distributed-optimizer" in args  # what runs here stays
+    notes = "\n".join(prepare(user, tmp_path / "rehearsal").notes)
+    assert "--recompute-num-layers 1: left out here" in notes, notes
+    assert "num_experts 256" in notes
+
+
 def test_each_ray_node_gets_its_own_temp_dir_and_ports_and_sandbox_hosts_no_cpu(
     rehearsal: Rehearsal,
 ) -> None:
@@ -172,6 +185,17 @@ def test_the_job_output_gives_every_component_and_stage(rehearsal: Rehearsal) ->
 def test_no_checkpoint_saved_is_the_checkpoint_down(rehearsal: Rehearsal) -> None:
     listed = {c.name: c for c in components(rehearsal, _outcome(rehearsal, output=OUTPUT))}
     assert listed["checkpoint"].state == DOWN and listed["training"].state == UP
+
+
+def test_failed_hints_are_their_component_down(rehearsal: Rehearsal) -> None:
+    """OPSD's hint counts are the run's so far: 2 failed by the last rollout."""
+    output = OUTPUT.replace(
+        "'rollout/drift_turns'", "'rollout/hint_errors': 2.0, 'rollout/drift_turns'"
+    )
+    listed = {c.name: c for c in components(rehearsal, _outcome(rehearsal, output=output))}
+    hints = listed["hints (teacher.hint reference)"]
+    assert hints.state == DOWN and hints.why == "2 hint requests failed", hints
+    assert listed["training"].state == UP
 
 
 def test_a_failed_step_is_its_component_down_and_the_later_ones_not_reached(
