@@ -71,10 +71,8 @@ class Executor:
         self.wait_timeout_s = wait_timeout_s
         self.watch_s = watch_s
         self.log_dir = f"{job.logging.run_dir}/logs"
-        self._spare: list[Step] = []
-        """The daemons started so far that the job goes on without (Step.needed False)."""
         self._lost: list[Step] = []
-        """Those of them already reported ended."""
+        """The daemons the job goes on without (Step.needed False) reported ended."""
 
     def command_for(self, host: str, command: str) -> list[str]:
         """The local argv that runs `command` in a login shell on `host`."""
@@ -98,9 +96,8 @@ class Executor:
             self.report(f"[{number}/{len(steps)}] {step.name} @ {step.host}")
             started = time.monotonic()
             daemons = [s for s in steps[: number - 1] if s.kind == "background"]
-            self._spare = [s for s in daemons if not s.ends_itself and not s.needed]
             try:
-                self._run_step(step, [s for s in daemons if not s.ends_itself and s.needed])
+                self._run_step(step, [s for s in daemons if not s.ends_itself])
             except LaunchError as err:
                 stopped = ""
                 if teardown_on_failure and any(s.kind == "background" for s in steps[:number]):
@@ -181,16 +178,16 @@ class Executor:
         return None
 
     def _check_daemons(self, daemons: list[Step]) -> None:
-        """Raise when a needed daemon ended; report (once) a spare one that ended."""
-        watched = [s for s in self._spare if s not in self._lost]
-        lost = self.ended_daemon(watched) if watched else None
+        """Raise when a daemon the job needs ended; report (once) one it goes on without."""
+        spare = [s for s in daemons if not s.needed and s not in self._lost]
+        lost = self.ended_daemon(spare) if spare else None
         if lost is not None:
             self._lost.append(lost)
             self.report(
                 f"    the daemon '{lost.name}' on {lost.host} ended (its log: {self.log_dir}/"
                 f"{slug(lost.name)}.log on {lost.host}); the job goes on without it"
             )
-        ended = self.ended_daemon(daemons)
+        ended = self.ended_daemon([s for s in daemons if s.needed])
         if ended is not None:
             raise LaunchError(
                 f"the daemon '{ended.name}' on {ended.host} ended while this step ran "
@@ -258,7 +255,7 @@ class Executor:
             now = time.monotonic()
             if self.step_timeout_s is not None and now - started > self.step_timeout_s:
                 raise LaunchError(f"no exit within {self.step_timeout_s:.0f} s")
-            if (daemons or self._spare) and now >= next_check:
+            if daemons and now >= next_check:
                 self._check_daemons(daemons)
                 next_check = time.monotonic() + self.watch_s
 
@@ -267,7 +264,7 @@ class Executor:
         next_check = time.monotonic() + self.watch_s
         last = "no answer yet"
         while time.monotonic() < deadline:
-            if (daemons or self._spare) and time.monotonic() >= next_check:
+            if daemons and time.monotonic() >= next_check:
                 self._check_daemons(daemons)
                 next_check = time.monotonic() + self.watch_s
             try:

@@ -15,15 +15,12 @@ under the CPU runtime, so the figure checks the arithmetic only.
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import re
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from launch.plan import Step
 from launch.rehearsal import ROLLOUTS, Rehearsal
@@ -32,8 +29,6 @@ from slime_ext.cpu_runtime import ENV_FLAG
 from slime_ext.job.config import RECIPES_WITH_TEACHER, JobConfig
 
 UP, DOWN, SKIPPED = "up", "down", "not reached"
-PERF_LINE = re.compile(r"perf (\d+): (\{.*\})")
-STEP_LINE = re.compile(r"step (\d+): (\{.*\})")
 SANDBOXES = "sandboxes (through the fleet on the sandbox hosts)"
 
 
@@ -42,48 +37,6 @@ class Component:
     name: str
     state: str
     why: str = ""
-
-
-@dataclass
-class JobOutput:
-    """What the job logged, per rollout id."""
-
-    rollout: dict[int, dict[str, float]] = field(default_factory=dict)
-    perf: dict[int, dict[str, float]] = field(default_factory=dict)
-    train: dict[int, dict[str, float]] = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, text: str) -> JobOutput:
-        out = cls()
-        for pattern, kind in ((PERF_LINE, "perf"), (STEP_LINE, "step")):
-            for match in pattern.finditer(text):
-                try:
-                    values = ast.literal_eval(match.group(2))
-                except (ValueError, SyntaxError):
-                    continue
-                if not isinstance(values, dict):
-                    continue
-                rollout_id = int(match.group(1))
-                numbers = {k: float(v) for k, v in values.items() if _number(v)}
-                if kind == "step":
-                    out.train.setdefault(rollout_id, {}).update(numbers)
-                elif any(key.startswith("rollout/") for key in numbers):
-                    out.rollout.setdefault(rollout_id, {}).update(numbers)
-                else:
-                    out.perf.setdefault(rollout_id, {}).update(numbers)
-        return out
-
-    def last(self, table: str, key: str) -> float | None:
-        """`key` in the latest rollout that logged it (the warm one)."""
-        rows: dict[int, dict[str, float]] = getattr(self, table)
-        for rollout_id in sorted(rows, reverse=True):
-            if key in rows[rollout_id]:
-                return rows[rollout_id][key]
-        return None
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def components(rehearsal: Rehearsal, outcome: Outcome) -> list[Component]:
@@ -169,7 +122,7 @@ def _job_parts(job: JobConfig) -> list[str]:
 def _job_components(rehearsal: Rehearsal, outcome: Outcome, failure: str) -> list[Component]:
     """The job's parts, each up when its output shows it worked in every rollout."""
     job = rehearsal.job
-    out = JobOutput.parse(outcome.job_output)
+    out = outcome.job
     rollouts = range(ROLLOUTS)
     checks: list[tuple[str, bool, str]] = []
 
@@ -258,7 +211,7 @@ class Stage:
 
 def stages(outcome: Outcome) -> list[Stage]:
     """Per stage, the last rollout's measured time (the first one warms up)."""
-    out = JobOutput.parse(outcome.job_output)
+    out = outcome.job
     turns = out.last("rollout", "rollout/turns")
 
     def per_step(key: str) -> tuple[float | None, str]:
@@ -327,7 +280,7 @@ def project(rehearsal: Rehearsal, outcome: Outcome) -> Projection:
     """A full-scale step from the rehearsal's rates (module doc), each term with its
     assumption; None when a size it needs is unknown."""
     user, job = rehearsal.user, rehearsal.job
-    out = JobOutput.parse(outcome.job_output)
+    out = outcome.job
     measured = {s.name: s.seconds for s in stages(outcome)}
     student_full, student_source = active_parameters(user.model.student)
     student_small = parameters(job.model.student)
@@ -492,7 +445,3 @@ def render(rehearsal: Rehearsal, outcome: Outcome) -> tuple[str, bool]:
         lines.append(f"  projected step time: {total}")
     lines += ["", f"the rehearsal's files: {rehearsal.directory}"]
     return "\n".join(lines) + "\n", ok
-
-
-def names_of(components_: Iterable[Component], state: str) -> list[str]:
-    return [c.name for c in components_ if c.state == state]

@@ -3,6 +3,8 @@ collects what the report reads: the step that failed, if one did, and the job's 
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import re
 import shlex
@@ -13,13 +15,58 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from launch.plan import Step, build_plan, hosts_from_config, slug
 from launch.rehearsal import Rehearsal, place_here, port_problems, wanted_ports
 
 STEP_LINE = re.compile(r"^\[(\d+)/(\d+)\] ")
+PERF_LINE = re.compile(r"perf (\d+): (\{.*\})")
+TRAIN_LINE = re.compile(r"step (\d+): (\{.*\})")
 LOST_LINE = re.compile(r"^    the daemon '([^']+)' on \S+ ended")
 RAY_TOKEN = Path.home() / ".ray/auth_token"
+
+
+@dataclass
+class JobOutput:
+    """What the job logged, per rollout id."""
+
+    rollout: dict[int, dict[str, float]] = field(default_factory=dict)
+    perf: dict[int, dict[str, float]] = field(default_factory=dict)
+    train: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> JobOutput:
+        out = cls()
+        for pattern, kind in ((PERF_LINE, "perf"), (TRAIN_LINE, "step")):
+            for match in pattern.finditer(text):
+                try:
+                    values = ast.literal_eval(match.group(2))
+                except (ValueError, SyntaxError):
+                    continue
+                if not isinstance(values, dict):
+                    continue
+                rollout_id = int(match.group(1))
+                numbers = {k: float(v) for k, v in values.items() if _number(v)}
+                if kind == "step":
+                    out.train.setdefault(rollout_id, {}).update(numbers)
+                elif any(key.startswith("rollout/") for key in numbers):
+                    out.rollout.setdefault(rollout_id, {}).update(numbers)
+                else:
+                    out.perf.setdefault(rollout_id, {}).update(numbers)
+        return out
+
+    def last(self, table: str, key: str) -> float | None:
+        """`key` in the latest rollout that logged it (the warm one)."""
+        rows: dict[int, dict[str, float]] = getattr(self, table)
+        for rollout_id in sorted(rows, reverse=True):
+            if key in rows[rollout_id]:
+                return rows[rollout_id][key]
+        return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -38,6 +85,11 @@ class Outcome:
     lost: dict[str, str] = field(default_factory=dict)
     """A daemon the job went on without (a sandbox host) -> the launch's line about it."""
     job_output: str = ""
+
+    @functools.cached_property
+    def job(self) -> JobOutput:
+        """`job_output` parsed (once)."""
+        return JobOutput.parse(self.job_output)
 
 
 def run(rehearsal: Rehearsal, report: Callable[[str], None], timeout_s: float = 1800.0) -> Outcome:

@@ -31,13 +31,12 @@ from launch.rehearsal_report import (
     SANDBOXES,
     SKIPPED,
     UP,
-    JobOutput,
     components,
     project,
     render,
     stages,
 )
-from launch.rehearsal_run import Outcome
+from launch.rehearsal_run import JobOutput, Outcome
 from slime_ext.cpu_runtime import runtime_env_vars
 from slime_ext.job.config import config_to_yaml, load_config
 from tests import slime_job
