@@ -10,8 +10,10 @@ per-turn spans). Two layouts of the same computation:
   trunk already holds at those positions (think kept) is read from the trunk itself.
   The rule is a [L, L] boolean attention mask with explicit position ids, the
   trunk-then-branches kernel (`trunk_then_branches`, slime_ext.tree_attention) that runs
-  it without one, or FlexAttention with a block mask (slime_ext.flex_tree); only
-  full-attention models can take any: hybrid (linear-attention) models are refused.
+  it without one, or FlexAttention with a block mask (slime_ext.flex_tree). Hybrid
+  (Gated DeltaNet linear-attention) models take only the trunk-then-branches kernel: it
+  runs each branch of a linear-attention layer from the trunk's state at its fork
+  (slime_ext.hybrid_tree).
 
 Rows of a batch are right-padded; `span_rows` index the flattened [B * L] positions whose
 outputs predict the span tokens (the same tokens in the same order in both layouts), so a
@@ -31,6 +33,14 @@ from torch import Tensor
 
 from rollout.masking import loss_mask_for
 from rollout.trajectory import Trajectory
+from slime_ext.hybrid_tree import (
+    LINEAR_ATTENTION,
+    hybrid_tree,
+    hybrid_tree_forward,
+    is_hybrid,
+    layer_types,
+    unsupported_linear_layers,
+)
 from slime_ext.tree_attention import tree_forward, tree_layout
 
 LossKind = Literal["imitation", "kl"]
@@ -308,27 +318,30 @@ def trunk_then_branches(
     [len(rows), H] of the positions `rows` (the last layer then skips the trunk's queries
     that no row reads). One forward (slime_ext.tree_attention): position-wise layers over
     all tokens at once; in attention, the trunk causally, then the branches, `group` at a
-    time, each on its context's slice of the trunk's keys and values and itself causally
-    (gradients flow through the slice into the trunk). Exact for full-attention models.
+    time, each on its context's slice of the trunk's keys and values (gradients flow
+    through the slice into the trunk). Linear-attention layers of a hybrid model run the
+    trunk, then each branch from the trunk's state where it forks
+    (slime_ext.hybrid_tree). Exact for full-attention and Gated DeltaNet hybrid models.
     One branch per group does the least attention work; on the bench trajectory groups
     of 2 cost about the same, of 4 and 8 10-30% more CPU time, all 40 at once 2.5x."""
     config = model.config
     check_sdpa(model, "the trunk-then-branches kernel")
     device = next(model.parameters()).device
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kinds = layer_types(model)
+    # the read-only last layer is counted in attention calls: only when the model ends in one
+    attention_calls = kinds.count("full_attention")
+    last = attention_calls - 1 if kinds[-1] == "full_attention" else None
     layout = tree_layout(
-        pack.trunk_len,
-        pack.branches(),
-        group,
-        device,
-        model.dtype,
-        kv_heads,
-        config.num_hidden_layers - 1,
-        rows,
+        pack.trunk_len, pack.branches(), group, device, model.dtype, kv_heads, last, rows
     )
     ids = torch.tensor(pack.ids, device=device)
     positions = torch.tensor(pack.positions, device=device)
-    hidden = tree_forward(model, ids, positions, layout)
+    if LINEAR_ATTENTION in kinds:
+        tree = hybrid_tree(pack.trunk_len, pack.branches())
+        hidden = hybrid_tree_forward(model, ids, positions, layout, tree)
+    else:
+        hidden = tree_forward(model, ids, positions, layout)
     return hidden if rows is None else hidden[torch.tensor(rows, device=device)]
 
 
@@ -343,9 +356,18 @@ def check_sdpa(model: Any, kernel: str) -> None:
         )
 
 
-def check_packable(model: object) -> None:
-    """Refuse models whose layers cannot take an arbitrary attention mask."""
-    reason = unpackable_reason(getattr(model, "config", None))
+def check_packable(model: object, kernel: str = "kv") -> None:
+    """Refuse models whose layers cannot take a tree-packed sequence through `kernel` (kv:
+    the trunk-then-branches kernel, the only one hybrid models take; mask, flex)."""
+    config = getattr(model, "config", None)
+    reason = unpackable_reason(config, linear_attention=True)
+    if reason is None and config is not None and is_hybrid(model):
+        reason = unsupported_linear_layers(model)
+        if reason is None and kernel != "kv":
+            raise PackingUnsupported(
+                f"packed_kernel {kernel} takes full-attention models only (a mask has no "
+                "branch for a linear-attention state): use packed_kernel kv or auto"
+            )
     if reason is not None:
         raise PackingUnsupported(
             f"{reason}: train it with the per-turn layout (algorithm.sequence_layout: per_turn)"
@@ -356,15 +378,17 @@ RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
 """HF model types without attention layers (their state runs over the whole sequence)."""
 
 
-def unpackable_reason(config: object) -> str | None:
-    """Why a model (its HF config) cannot evaluate a tree-packed sequence exactly, or None:
-    every layer must be full attention (linear-attention layers, e.g. Qwen3.5's and
-    Qwen3-Next's, and sliding windows have no mask for a branch)."""
+def unpackable_reason(config: object, linear_attention: bool = False) -> str | None:
+    """Why a model (its HF config) cannot evaluate a tree-packed sequence exactly, or None.
+    Every layer must be full attention, or with `linear_attention` (a kernel that runs a
+    branch from the trunk's state: slime_ext.hybrid_tree) linear attention; sliding
+    windows and recurrent models have neither a mask nor that path for a branch."""
     if config is None:
         return None
     text = getattr(config, "text_config", None)
     layer_types = getattr(config, "layer_types", None) or getattr(text, "layer_types", None)
-    other = sorted({str(kind) for kind in layer_types or []} - {"full_attention"})
+    allowed = {"full_attention", LINEAR_ATTENTION} if linear_attention else {"full_attention"}
+    other = sorted({str(kind) for kind in layer_types or []} - allowed)
     if other:
         return (
             f"this model has {', '.join(other)} layers, whose state or window cannot express "

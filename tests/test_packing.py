@@ -173,13 +173,13 @@ def test_every_token_once(trajectory: Trajectory) -> None:
     assert not rule.triu(1).any()  # nothing sees the future
 
 
-def test_hybrid_models_are_refused_and_auto_falls_back(factory_tokenizer: Any) -> None:
+def test_hybrid_models_pack_through_the_kv_kernel(factory_tokenizer: Any) -> None:
+    """Gated DeltaNet hybrids pack (tests/test_packing_hybrid.py); the mask cannot take them."""
     hybrid = build_model("qwen3_5-tiny", factory_tokenizer, seed=0)
-    with pytest.raises(PackingUnsupported, match="per_turn"):
-        check_packable(hybrid)
-    assert LocalTrainer(hybrid, TrainerConfig(sequence_layout="auto")).layout == "per_turn"
-    with pytest.raises(PackingUnsupported):
-        LocalTrainer(hybrid, TrainerConfig(sequence_layout="packed"))
+    check_packable(hybrid)
+    assert LocalTrainer(hybrid, TrainerConfig(sequence_layout="auto")).layout == "packed"
+    with pytest.raises(PackingUnsupported, match="packed_kernel kv"):
+        check_packable(hybrid, "mask")
 
 
 def test_full_attention_models_pack_by_default(model: Any) -> None:

@@ -31,6 +31,7 @@ from rollout.reminders import teacher_view
 from rollout.runner import TeacherContext
 from rollout.trajectory import Trajectory
 from slime_ext.flex_tree import flex_tree
+from slime_ext.hybrid_tree import is_hybrid
 from slime_ext.losses import (
     masked_mean,
     masked_nll,
@@ -215,16 +216,19 @@ class LocalTrainer:
         )
         self.lr_schedule = ScheduledLR(self.optimizer, self.config)
         self.pad_id = int(model.config.pad_token_id or 0)
-        self.layout: Layout = _resolve_layout(model, self.config.sequence_layout)
+        self.packed_kernel = self.config.packed_kernel
+        if self.packed_kernel == "auto" and is_hybrid(model):
+            self.packed_kernel = "kv"  # the only kernel that runs linear attention from a state
+        self.layout: Layout = _resolve_layout(
+            model, self.config.sequence_layout, self.packed_kernel
+        )
 
     def batch(self, trajectories: Sequence[Trajectory], kind: LossKind) -> TurnBatch:
         invalid = self.config.train_on_invalid_turns
         imitate = not self.config.mask_invalid_turns
         if self.layout == "per_turn":
             return per_turn_batch(trajectories, kind, invalid, self.pad_id, imitate)
-        limit = {"mask": None, "kv": 0, "flex": 0, "auto": MASK_MAX_TOKENS}[
-            self.config.packed_kernel
-        ]
+        limit = {"mask": None, "kv": 0, "flex": 0, "auto": MASK_MAX_TOKENS}[self.packed_kernel]
         return packed_batch(
             trajectories, kind, invalid, self.pad_id, limit, imitate_invalid=imitate
         )
@@ -510,13 +514,14 @@ class LocalTrainer:
         self.lr_schedule.load_state_dict(self.lr_schedule.state_dict())
 
 
-def _resolve_layout(model: Any, wanted: str) -> Layout:
-    """packed where exact (full-attention models), per turn otherwise; an explicit
-    `packed` on a model that cannot take it is an error."""
+def _resolve_layout(model: Any, wanted: str, kernel: str) -> Layout:
+    """packed where exact (full-attention models; Gated DeltaNet hybrids through the kv
+    kernel), per turn otherwise; an explicit `packed` on a model that cannot take it is an
+    error."""
     if wanted == "per_turn":
         return "per_turn"
     try:
-        check_packable(model)
+        check_packable(model, kernel)
     except PackingUnsupported:
         if wanted == "packed":
             raise
