@@ -20,6 +20,14 @@ fp32 CPU reference, and the teacher server's hf backend throughput on the GPU.
    layers run on packed samples): FlexAttention against the dense kernel on a micro-batch
    of synthetic packed trajectories, outputs and q/k/v gradients (GQA, fp32); fails past
    1e-4 on outputs or 1e-3 (relative) on gradients; prints both kernels' fwd+bwd time.
+5. A hybrid student packed (slime_ext.hybrid_tree): a tiny Qwen3.5-architecture model
+   (Gated DeltaNet beside full attention) in fp32 on the GPU, a synthetic multi-turn
+   trajectory's span log-probs and gradients from the packed forward (each branch from
+   the trunk's states) against per-turn forwards; flash-linear-attention's gated-delta
+   kernel where installed (bench/gpu_check.sh installs carried wheels from .wheels/),
+   transformers' torch reference otherwise (printed). Fails past 1e-3 on log-probs or
+   1e-2 on gradients relative to the largest one (the kernel's fp32 dots may run in
+   TF32); prints both layouts' fwd+bwd time and their ratio.
 Not run by CI.
 """
 
@@ -288,6 +296,69 @@ def check_tree_attention(turns: int, trajectories: int, device: str) -> bool:
     return passed
 
 
+def check_hybrid(turns: int, device: str) -> bool:
+    import importlib.util
+
+    trajectory = synthetic(turns, prompt=256, think=96, action=32, observation=32)
+    packed = pack_trajectory(trajectory)
+    model: Any = build_model("qwen3_5-tiny", build_tokenizer(), seed=0)
+    model.to(device).eval()
+    spans = [token for turn in trajectory.turns for token in turn.span_ids]
+    targets = torch.tensor(spans, device=device)
+
+    def packed_logprobs() -> Tensor:
+        rows = trunk_then_branches(model, packed, rows=packed.span_rows)
+        return token_logprobs(model.get_output_embeddings()(rows), targets)
+
+    def per_turn_logprobs() -> Tensor:
+        values = []
+        for k, turn in enumerate(trajectory.turns):
+            context = trajectory.context_ids(k)
+            sample = torch.tensor([context + turn.span_ids], device=device)
+            logits = model(input_ids=sample).logits[0, len(context) - 1 : -1]
+            values.append(token_logprobs(logits, sample[0, len(context) :]))
+        return torch.cat(values)
+
+    results, times = {}, {}
+    for name, run in (("packed", packed_logprobs), ("per_turn", per_turn_logprobs)):
+        for _ in range(2):  # the first run compiles the kernels
+            model.zero_grad()
+            started = time.perf_counter()
+            logprobs = run()
+            logprobs.sum().backward()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name] = time.perf_counter() - started
+        grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        results[name] = (logprobs.detach(), grads)
+    packed_values, packed_grads = results["packed"]
+    turn_values, turn_grads = results["per_turn"]
+    value_err = float((packed_values - turn_values).abs().max())
+    # relative to the largest gradient of the model: some (the first layer's decay
+    # parameters) are 1e-6 of it, where float rounding alone is a large share
+    scale = max(float(b.abs().max()) for b in turn_grads)
+    grad_err = max(
+        float((a - b).abs().max()) / scale for a, b in zip(packed_grads, turn_grads, strict=True)
+    )
+    passed = value_err <= 1e-3 and grad_err <= 1e-2 and len(packed_grads) == len(turn_grads)
+    fla = importlib.util.find_spec("fla") is not None and device == "cuda"
+    kernel = "flash-linear-attention" if fla else "transformers' torch reference"
+    print(
+        f"hybrid packed (qwen3_5-tiny, {turns} turns, {len(packed.ids)} packed tokens, "
+        f"{device} fp32, gated delta rule: {kernel}):"
+    )
+    print(
+        f"  log-probs max abs {value_err:.2e}  grad max abs / largest grad {grad_err:.2e}  "
+        f"{'ok' if passed else 'FAIL'}"
+    )
+    print(
+        f"  fwd+bwd: packed {times['packed'] * 1e3:.1f} ms, per turn "
+        f"{times['per_turn'] * 1e3:.1f} ms, per turn / packed "
+        f"{times['per_turn'] / times['packed']:.2f}x"
+    )
+    return passed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -310,6 +381,7 @@ def main() -> None:
     ok &= check_teacher(args.requests, args.context, args.span, args.preset, args.device)
     ok &= check_flex(args.turns, args.preset, args.device)
     ok &= check_tree_attention(args.turns, 2, args.device)
+    ok &= check_hybrid(args.turns, args.device)
     sys.exit(0 if ok else 1)
 
 
