@@ -189,12 +189,9 @@ class HFScorer:
 
     @torch.no_grad()
     def score_packed(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
-        """All spans of a trajectory from one tree-packed forward (slime_ext.turns.pack)."""
-        if self.is_hybrid:
-            raise BadScoreRequest(
-                "this teacher interleaves linear-attention layers, which cannot take the "
-                "packed attention rule: score per turn with a session_id"
-            )
+        """All spans of a trajectory from one tree-packed forward (slime_ext.turns.pack; a
+        hybrid teacher's linear-attention layers run each branch from the trunk's state,
+        slime_ext.hybrid_tree)."""
         packed = pack(request.trunk_ids, request.turns)
         hidden = trunk_then_branches(self.model, packed)
         rows_all = hidden[torch.tensor(packed.span_rows, device=hidden.device)]

@@ -9,8 +9,9 @@ spec must take them) agree.
 
 `auto` packs a student known to be full-attention (its config.json, readable where the plan
 is made), and stays per turn for a hybrid or recurrent one (Qwen3.5, Qwen3-Next: their
-linear-attention state has no mask for a branch) and for a student the plan cannot see;
-the plan says which and why. sft / ssd train slime on pre-tokenized per-turn records.
+linear-attention state has no mask for a branch, and slime's layers for them do not yet run
+a branch from the trunk's state as the embedded trainer does, slime_ext.hybrid_tree) and
+for a student the plan cannot see; the plan says which and why. sft / ssd train slime on pre-tokenized per-turn records.
 """
 
 from __future__ import annotations
