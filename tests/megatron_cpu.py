@@ -46,6 +46,13 @@ def cpu_redirects() -> Iterator[None]:
         for name in redirects.MEGATRON_CORE_SITES:
             patch.setattr(importlib.import_module(name), "torch", redirects.TORCH_ON_CPU)
         patch.setattr(torch.Tensor, "type", redirects.type_names_cuda(torch.Tensor.type))
+        try:  # slime's hybrid layers' gating norm (flash-linear-attention's Triton kernel)
+            from fla.modules.norm import fused_norm_gate
+        except ImportError:
+            pass
+        else:
+            patch.setattr(fused_norm_gate.FusedRMSNormGated, "forward", None)  # undone on exit
+            redirects.gated_norm_in_torch(fused_norm_gate)
         tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         try:
             yield

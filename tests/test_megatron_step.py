@@ -70,6 +70,7 @@ lr * g / (|g| + eps) is about g / 20, so it shows the gradient's scale (the dist
 optimizer takes only Adam; Adam's usual first steps, g / |g|, would hide a scale error)."""
 HIDDEN, HEADS, FFN, LAYERS = 32, 4, 64, 2
 ATOL = 1e-6
+HYBRID_SEED = 11
 RECIPE = "opd"
 TOPK_SETTINGS = {"opd_loss": "topk_tail"}
 TOPK_ATOL = 1e-5
@@ -91,18 +92,25 @@ def model_config(tp: int, cp: int, sequence_parallel: bool) -> Any:
     )  # fmt: skip
 
 
-def gpt_model(config: Any, vocab: int, packed: bool, tree: bool = False) -> Any:
+def gpt_model(
+    config: Any, vocab: int, packed: bool, tree: bool = False, hybrid_args: Any = None
+) -> Any:
     """The test GPTModel; `tree`: with our tree attention in its layer spec (and RoPE
     moved into it: position_embedding_type none), as slime builds it from
-    `--spec slime_ext.slime.tree_attention layer_spec`."""
+    `--spec slime_ext.slime.tree_attention layer_spec`; `hybrid_args` (slime's args, whose
+    hf_checkpoint's config has linear-attention layers): slime's Gated DeltaNet layers
+    taking the tree there (slime_ext.slime.hybrid_attention), as that spec builds them."""
     from megatron.core.models.gpt import GPTModel
 
+    from slime_ext.slime.hybrid_attention import hybrid_spec
     from slime_ext.slime.tree_attention import Rope, with_tree_attention
     from tests.megatron_cpu import gpt_block_spec
 
     spec = gpt_block_spec(LAYERS, packed=packed)
     if tree:
         spec = with_tree_attention(spec, Rope())
+    if hybrid_args is not None:
+        spec = hybrid_spec(spec, hybrid_args, config, None)
     return GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=vocab, max_sequence_length=1024,
@@ -266,11 +274,13 @@ def _train(
     tree: bool = False,
     lose_trees: bool = False,
     boxes_key: str = "boxes",
+    hybrid: bool = False,
 ) -> dict[str, Any]:
     """STEPS rollouts of slime's actor on this rank's payload; the full final parameters.
     `tree`: the model takes tree-packed samples (slime_ext.slime.tree_attention);
     `lose_trees`: their trees do not reach it (a negative control); `boxes_key`: the
-    case's payload to train on."""
+    case's payload to train on; `hybrid`: slime's Gated DeltaNet layers where the case's
+    hf_checkpoint says (its initial weights: each rank's build from one seed)."""
     from slime_ext.slime import tree as tree_path
 
     tree_path.init(args=None)  # --custom-megatron-init-path, as `opd launch` passes it
@@ -290,8 +300,14 @@ def _train(
     # Megatron-LM's parser owns these; Megatron's no-pipelining schedule does not read them
     args.seq_length, args.decoder_seq_length = None, None
     config = model_config(tp, cp, sp)
-    model = gpt_model(config, args.padded_vocab_size, packed=True, tree=tree)
-    load_full(model, case["initial"])
+    if hybrid:  # megatron's CPU initialization draws full tensors: one seed, one model
+        torch.manual_seed(HYBRID_SEED)
+    hybrid_args = args if hybrid else None
+    model = gpt_model(
+        config, args.padded_vocab_size, packed=True, tree=tree, hybrid_args=hybrid_args
+    )
+    if case.get("initial") is not None:
+        load_full(model, case["initial"])
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed
     )

@@ -19,7 +19,10 @@ post-import hooks, so a process that never imports slime or Megatron pays nothin
 - a fresh distributed optimizer that can take a checkpoint under torch's Adam
   (`sites.OPTIMIZER_LOAD_SITE`);
 - slime's process-group wrapper forwarding torch 2.13's collectives
-  (`sites.RELOADABLE_GROUP_SITE`).
+  (`sites.RELOADABLE_GROUP_SITE`);
+- flash-linear-attention's gating norm (a Triton kernel in slime's hybrid layers) in
+  torch (`redirects.gated_norm_in_torch`); their mixing runs slime_ext.gated_delta's
+  torch reference on the CPU already.
 The hooks themselves are in `redirects`, imported only when a site loads.
 
 What slime and Megatron-LM offer as settings is used instead of a redirect where one
@@ -155,6 +158,7 @@ def install() -> None:
     hooks[sites.OPTIMIZER_LOAD_SITE[0]] = _later("states_before_load")
     hooks[sites.RELOADABLE_GROUP_SITE[0]] = _later("forward_new_collectives")
     hooks["megatron.core"] = _patch_torch
+    hooks["fla.modules.norm.fused_norm_gate"] = _later("gated_norm_in_torch")
     for name, hook in hooks.items():
         if name in sys.modules:
             hook(sys.modules[name])

@@ -253,3 +253,25 @@ def module_cuda_on_cpu(original: Any) -> Any:
         return original(self, device)
 
     return cuda
+
+
+def gated_norm_in_torch(module: ModuleType) -> None:
+    """flash-linear-attention's FusedRMSNormGated (a Triton kernel; slime's Gated DeltaNet
+    gating norm) in torch: transformers' Qwen3_5RMSNormGated computes the same (RMS norm,
+    weight, then times silu(gate)), for the silu gate without residual that slime uses."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    def forward(
+        self: Any, x: Any, g: Any, residual: Any = None, prenorm: bool = False, **kw: Any
+    ) -> Any:
+        if residual is not None or prenorm or self.activation not in ("swish", "silu"):
+            raise NotImplementedError(
+                "FusedRMSNormGated on the CPU: the silu gate without residual only "
+                f"(activation {self.activation!r}, residual {residual is not None})"
+            )
+        norm = SimpleNamespace(weight=self.weight, variance_epsilon=self.eps, activation="silu")
+        return Qwen3_5RMSNormGated.forward(norm, x, g)  # type: ignore[arg-type]
+
+    module.FusedRMSNormGated.forward = forward

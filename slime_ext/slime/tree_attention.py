@@ -306,7 +306,10 @@ def with_tree_attention(spec: Any, rope: Rope, kernel: Kernel = "dense") -> Any:
 def layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
     """slime's `--spec slime_ext.slime.tree_attention layer_spec`: the spec slime builds by
     default (Transformer Engine's or the local one, MoE blocks included) with the tree
-    attention as every layer's core attention, RoPE moved into it: slime's provider builds
+    attention as every layer's core attention, and for a hybrid student (its
+    --hf-checkpoint's config has linear-attention layers) slime's Gated DeltaNet layers
+    taking the tree in those (slime_ext.slime.hybrid_attention); RoPE moved into the
+    attention: slime's provider builds
     GPTModel from `args` after calling this, so a `rope` position embedding becomes `none`
     here (slime's model scripts pass the legacy --use-rotary-position-embeddings, which
     sets rope again whatever `opd launch` passed)."""
@@ -352,7 +355,13 @@ def layer_spec(args: Any, config: Any, vp_stage: int | None = None) -> Any:
         seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
     )
     kernel: Kernel = "flex" if torch.cuda.is_available() else "dense"
-    return with_tree_attention(base, rope, kernel)
+    spec = with_tree_attention(base, rope, kernel)
+    from slime_ext.slime import hybrid_attention
+
+    student = getattr(args, "hf_checkpoint", None)
+    if student and hybrid_attention.is_hybrid_checkpoint(student):
+        return hybrid_attention.hybrid_spec(spec, args, config, vp_stage)
+    return spec
 
 
 def _require_provider_reads_args_after_the_spec() -> None:
