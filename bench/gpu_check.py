@@ -28,6 +28,12 @@ fp32 CPU reference, and the teacher server's hf backend throughput on the GPU.
    transformers' torch reference otherwise (printed). Fails past 1e-3 on log-probs or
    1e-2 on gradients relative to the largest one (the kernel's fp32 dots may run in
    TF32); prints both layouts' fwd+bwd time and their ratio.
+6. The cluster path's hybrid mixing (slime_ext.gated_delta, what slime's Gated DeltaNet
+   layers run on packed samples): a micro-batch of synthetic tree-packed trajectories
+   through flash-linear-attention's varlen kernel (rounds with per-sequence initial
+   states) against the torch reference, outputs and q/k/v/g/beta gradients in fp32;
+   fails past 1e-3 (outputs) or 1e-2 (gradients, relative to the largest); prints both
+   kernels' fwd+bwd time. Skipped (said) where fla is not installed.
 Not run by CI.
 """
 
@@ -359,6 +365,80 @@ def check_hybrid(turns: int, device: str) -> bool:
     return passed
 
 
+def check_gated_delta(turns: int, trajectories: int, device: str) -> bool:
+    import importlib.util
+
+    from slime_ext.gated_delta import (
+        DeltaPlan,
+        chunk_gated_delta_rule_reference,
+        gated_delta_kernel,
+        gated_delta_rule,
+    )
+
+    if device != "cuda" or importlib.util.find_spec("fla") is None:
+        print("gated delta (cluster path): skipped, needs CUDA and flash-linear-attention")
+        return True
+    branch: list[int] = []
+    visible: list[int] = []
+    cu_seqlens = [0]
+    for index in range(trajectories):
+        trajectory = synthetic(turns + index, prompt=256, think=96, action=32, observation=32)
+        packed = pack_trajectory(trajectory)
+        branch += packed.branch
+        visible += packed.visible_trunk
+        cu_seqlens.append(cu_seqlens[-1] + len(packed.ids))
+    plan = DeltaPlan.of(cu_seqlens, branch, visible)
+    rows, heads, k_dim, v_dim = cu_seqlens[-1], 4, 64, 64
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, device=device, generator=generator)
+
+    inputs = [rand(1, rows, heads, k_dim), rand(1, rows, heads, k_dim), rand(1, rows, heads, v_dim)]
+    inputs += [
+        -torch.rand(1, rows, heads, device=device, generator=generator),
+        rand(1, rows, heads).sigmoid(),
+    ]
+    results, times = {}, {}
+    kernels = {
+        "fla": gated_delta_kernel(torch.device(device)),
+        "reference": chunk_gated_delta_rule_reference,
+    }
+    for name, kernel in kernels.items():
+        for _ in range(2):  # the first run compiles
+            leaves = [x.clone().requires_grad_() for x in inputs]
+            started = time.perf_counter()
+            q, k, v, g, beta = leaves
+            out = gated_delta_rule(q, k, v, g, beta, plan, kernel)
+            out.square().sum().backward()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name] = time.perf_counter() - started
+        results[name] = (out.detach(), [x.grad for x in leaves])
+    (fla_out, fla_grads), (ref_out, ref_grads) = results["fla"], results["reference"]
+    value_err = float((fla_out - ref_out).abs().max())
+    scale = max(float(g.abs().max()) for g in ref_grads if g is not None)
+    grad_err = max(
+        float((a - b).abs().max()) / scale
+        for a, b in zip(fla_grads, ref_grads, strict=True)
+        if a is not None and b is not None
+    )
+    passed = value_err <= 1e-3 and grad_err <= 1e-2
+    print(
+        f"gated delta (cluster path: {trajectories} packed trajectories, {rows} rows, "
+        f"{len(plan.rounds)} rounds, fp32):"
+    )
+    print(
+        f"  outputs max abs {value_err:.2e}  grad max abs / largest grad {grad_err:.2e}  "
+        f"{'ok' if passed else 'FAIL'}"
+    )
+    print(
+        f"  fwd+bwd: fla {times['fla'] * 1e3:.1f} ms, reference {times['reference'] * 1e3:.1f} "
+        f"ms, reference / fla {times['reference'] / times['fla']:.2f}x"
+    )
+    return passed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -382,6 +462,7 @@ def main() -> None:
     ok &= check_flex(args.turns, args.preset, args.device)
     ok &= check_tree_attention(args.turns, 2, args.device)
     ok &= check_hybrid(args.turns, args.device)
+    ok &= check_gated_delta(args.turns, 2, args.device)
     sys.exit(0 if ok else 1)
 
 

@@ -44,6 +44,7 @@ from launch.plan import Hosts, Step, hosts_from_config
 from slime_ext.cpu_runtime import ENV_FLAG
 from slime_ext.job.config import RECIPES_WITH_TEACHER, JobConfig, config_from_dict
 from slime_ext.job.sequence_layout import resolve as resolve_layout
+from slime_ext.job.slime_flags import CPU_TREE_SPEC
 
 ROLLOUTS = 2
 TASKS = 2
@@ -115,7 +116,7 @@ def prepare(user: JobConfig, directory: Path, on: Where = "here") -> Rehearsal:
     tasks_file = _tasks(user, directory, notes)
     hosts, names = _addresses(user) if on == "here" else _nodes(user, notes)
     model_args = directory / "model_args.sh"
-    args = _model_args(student_dir, layout.layout, cpu)
+    args = _model_args(student_dir, cpu)
     model_args.write_text(f"MODEL_ARGS=({shlex.join(args)})\n")
 
     data = user.model_dump(mode="json")
@@ -359,19 +360,21 @@ def _model_type(path: str) -> str | None:
         return None
 
 
-def _model_args(student: Path, layout: str, cpu: bool) -> list[str]:
+def _model_args(student: Path, cpu: bool) -> list[str]:
     """MODEL_ARGS as slime's scripts/models/qwen3-*.sh define them; under the CPU runtime
     with its Megatron settings and layer spec (the conversion step sources them too)."""
     from slime_ext.cpu_runtime import MEGATRON_FLAGS
     from slime_ext.models.megatron_args import qwen3_model_args
 
     args = qwen3_model_args(student)
-    return [*args, *MEGATRON_FLAGS, *_cpu_spec(layout)] if cpu else args
+    # the plain spec: the conversion sources these too, and the tree attention adds no
+    # parameter (the train command's own --spec, _cpu_train_args, puts it in)
+    return [*args, *MEGATRON_FLAGS, *_cpu_spec("per_turn")] if cpu else args
 
 
 def _cpu_spec(layout: str) -> list[str]:
     spec = "tree_layer_spec" if layout == "packed" else "layer_spec"
-    return ["--spec", "slime_ext.cpu_runtime.spec", spec]
+    return ["--spec", CPU_TREE_SPEC, spec]
 
 
 def _without_cuda_flags(user: JobConfig, notes: list[str]) -> list[str]:

@@ -39,9 +39,11 @@ tokens stay within this factor of the real ones (sorted by length, so batches ar
 
 
 def layer_types(model: Any) -> list[str]:
+    """Each layer's kind from the model's config (empty when it names none: all full
+    attention)."""
     config = model.config
     text = getattr(config, "text_config", None) or config
-    return list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    return list(getattr(text, "layer_types", None) or [])
 
 
 def is_hybrid(model: Any) -> bool:

@@ -328,7 +328,7 @@ def trunk_then_branches(
     check_sdpa(model, "the trunk-then-branches kernel")
     device = next(model.parameters()).device
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kinds = layer_types(model)
+    kinds = layer_types(model) or ["full_attention"] * config.num_hidden_layers
     # the read-only last layer is counted in attention calls: only when the model ends in one
     attention_calls = kinds.count("full_attention")
     last = attention_calls - 1 if kinds[-1] == "full_attention" else None

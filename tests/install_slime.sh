@@ -10,7 +10,8 @@ set -uo pipefail
 source_spec=${1:?usage: install_slime.sh SOURCE VENV}
 venv=${2:?usage: install_slime.sh SOURCE VENV}
 stamp="$venv/.slime-installed"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$source_spec" ]; then
+FLA_CORE=0.6.0
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$source_spec fla-core==$FLA_CORE" ]; then
     exit 0
 fi
 pip=("$venv/bin/pip" install --quiet --disable-pip-version-check)
@@ -33,6 +34,8 @@ if ! "${pip[@]}" --no-deps --editable "$target"; then
         "(set SLIME_SOURCE to a slime .tar.gz, checkout or git URL)" >&2
     exit 0
 fi
-"${pip[@]}" pylatexenc pybase64 || exit 0
-echo "$source_spec" >"$stamp"
+# flash-linear-attention's core (pure Python; its Triton kernels do not run on a CPU): slime's
+# Qwen3.5 / Qwen3-Next layers import their modules from it (tests/test_megatron_hybrid.py)
+"${pip[@]}" pylatexenc pybase64 einops "fla-core==$FLA_CORE" || exit 0
+echo "$source_spec fla-core==$FLA_CORE" >"$stamp"
 echo "slime installed from $source_spec"

@@ -680,12 +680,13 @@ def test_dry_run_runs_top_k_losses_on_slime_with_the_hook_that_carries_the_rows(
 ) -> None:
     """A top-k loss launches: slime's Megatron ranks get tree.init (which extends the
     training step's batch keys with the rows), the teacher service accepts the job's top_k;
-    a sampled loss of a per-turn job (these students are hybrid) adds nothing."""
-    sets = [arg for item in settings for arg in ("--set", item)]
+    a sampled loss of a per-turn job adds nothing."""
+    per_turn = ["--set", "algorithm.sequence_layout=per_turn"]
+    sets = [arg for item in settings for arg in ("--set", item)] + per_turn
     topk = CliRunner().invoke(app, ["launch", str(config), *sets, "--dry-run"])
     assert topk.exit_code == 0, topk.output
     assert "--custom-megatron-init-path slime_ext.slime.tree.init" in topk.output
-    sampled = CliRunner().invoke(app, ["launch", str(config), "--dry-run"])
+    sampled = CliRunner().invoke(app, ["launch", str(config), *per_turn, "--dry-run"])
     assert sampled.exit_code == 0 and "--custom-megatron-init-path" not in sampled.output
     if config == EXAMPLE:
         wide = ["--set", "teacher.top_k=128", "--set", "algorithm.opd_loss=topk_tail"]

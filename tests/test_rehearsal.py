@@ -96,8 +96,8 @@ def test_the_rehearsal_job_keeps_the_users_nodes_ports_and_layout_choice(
     assert job.teacher.port == user.teacher.port == 8000
     assert job.teacher.serve_args[-2:] == ["--host", "127.0.0.41"]  # loopback only
     assert job.algorithm.recipe == "opd" and job.rollout.harness == "swe"
-    # Qwen3.5 is hybrid: per turn, as the user's job would train it
-    assert job.algorithm.sequence_layout == "per_turn"
+    # Qwen3.5 is a Gated DeltaNet hybrid: packed, as the user's job would train it
+    assert job.algorithm.sequence_layout == "packed"
     assert job.algorithm.steps == 2 and job.logging.wandb_mode == "disabled"
     assert job.logging.run_dir != user.logging.run_dir
     assert job.sandbox.hosts == "ray" and rehearsal.hosts.sandbox == ["127.0.0.42", "127.0.0.43"]

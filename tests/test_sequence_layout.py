@@ -1,6 +1,7 @@
 """The cluster's sequence layout, resolved by the plan (slime_ext/job/sequence_layout.py): packed
-for a full-attention student (its config.json), per turn for a hybrid or recurrent one and
-for a student the plan cannot see, and the flags that make slime and Megatron take it."""
+for a full-attention or Gated DeltaNet hybrid student (its config.json, or a Qwen3.5 /
+Qwen3-Next name), per turn for a recurrent one and for a student the plan cannot see, and
+the flags that make slime and Megatron take it."""
 
 from __future__ import annotations
 
@@ -64,13 +65,14 @@ def test_a_full_attention_student_is_packed_and_slime_gets_the_tree_attention(
     assert "sequence layout packed: auto: the student is full-attention" in note
 
 
-def test_a_hybrid_student_stays_per_turn_with_the_reason(hybrid: Path) -> None:
+def test_a_gated_delta_hybrid_is_packed_and_slime_gets_the_tree_layers(hybrid: Path) -> None:
+    """Its linear-attention layers are slime's, wrapped by the same spec
+    (tree_attention.layer_spec reads --hf-checkpoint: tests/test_megatron_hybrid.py)."""
     words, note, job_yaml = _submitted(_job(str(hybrid)))
-    assert not _has(words, TREE_FLAGS[:2]) and "--position-embedding-type" not in words
-    assert job_yaml["algorithm"]["sequence_layout"] == "per_turn"
-    assert "linear_attention layers" in note and "recomputes its whole context" in note
-    with pytest.raises(ConfigError, match=r"linear_attention.*use per_turn"):
-        resolve(_job(str(hybrid), sequence_layout="packed"))
+    assert _has(words, TREE_FLAGS)
+    assert job_yaml["algorithm"]["sequence_layout"] == "packed"
+    assert "Gated DeltaNet hybrid (its config.json)" in note
+    assert resolve(_job(str(hybrid), sequence_layout="per_turn")).layout == "per_turn"
 
 
 @pytest.mark.parametrize(
@@ -80,13 +82,19 @@ def test_a_hybrid_student_stays_per_turn_with_the_reason(hybrid: Path) -> None:
         ("/models/student", "scripts/models/qwen3-next-80B-A3B.sh"),
     ],
 )
-def test_a_hybrid_family_is_known_by_name_where_its_config_is_not_readable(
+def test_a_gated_delta_family_is_known_by_name_where_its_config_is_not_readable(
     student: str, script: str
 ) -> None:
     resolved = resolve(_job(student, script))
-    assert resolved.layout == "per_turn" and "hybrid" in resolved.why
-    with pytest.raises(ConfigError, match="hybrid"):
-        resolve(_job(student, script, sequence_layout="packed"))
+    assert resolved.layout == "packed" and "(its name)" in resolved.why
+
+
+@pytest.mark.parametrize("student", ["/models/Falcon-H1-7B", "/models/mamba2-2.7b"])
+def test_a_recurrent_family_stays_per_turn_and_refuses_packed(student: str) -> None:
+    resolved = resolve(_job(student))
+    assert resolved.layout == "per_turn" and "recurrent" in resolved.why
+    with pytest.raises(ConfigError, match=r"recurrent.*use per_turn"):
+        resolve(_job(student, sequence_layout="packed"))
 
 
 def test_an_unseen_student_is_per_turn_unless_packing_is_asked_for() -> None:
@@ -121,6 +129,6 @@ def test_flags_that_would_undo_packing_are_refused_only_when_packed(
     packed.cluster.extra_train_args = extra
     with pytest.raises(ConfigError, match=rf"{extra[0]}.*silently wrong objective"):
         check_cluster(packed)
-    per_turn = _job(str(hybrid))
+    per_turn = _job(str(hybrid), sequence_layout="per_turn")
     per_turn.cluster.extra_train_args = extra
     check_cluster(per_turn)

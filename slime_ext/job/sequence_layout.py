@@ -3,15 +3,17 @@ is made, so that the generate hook (which makes the samples) and Megatron (whose
 spec must take them) agree.
 
 - packed: one tree-packed sample per trajectory, every token once (slime_ext.slime.samples,
-  tree, tree_attention); exact only for students whose every layer is full attention;
+  tree, tree_attention); exact for students whose layers are full attention, and for
+  Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next), whose linear-attention layers, slime's own,
+  run each branch from the trunk's state where it forks (slime_ext.slime.hybrid_attention);
 - per_turn: a sample per turn, its whole context recomputed (about the trajectory's turn
   count times its tokens: ~20x for the report's 57-turn SWE trajectories).
 
-`auto` packs a student known to be full-attention (its config.json, readable where the plan
-is made), and stays per turn for a hybrid or recurrent one (Qwen3.5, Qwen3-Next: their
-linear-attention state has no mask for a branch, and slime's layers for them do not yet run
-a branch from the trunk's state as the embedded trainer does, slime_ext.hybrid_tree) and
-for a student the plan cannot see; the plan says which and why. sft / ssd train slime on pre-tokenized per-turn records.
+`auto` packs a student known to be one of those (its config.json, readable where the plan
+is made, or a Qwen3.5 / Qwen3-Next name in the student path or slime's model script), and
+stays per turn for a recurrent one or another hybrid family (Mamba, Jamba, RWKV, ...: no
+branch from a state here) and for a student the plan cannot see; the plan says which and
+why. sft / ssd train slime on pre-tokenized per-turn records.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from pathlib import Path
 
 from slime_ext.job.config import ConfigError, JobConfig
 
-HYBRID_NAME = re.compile(
-    r"qwen3[._-]?5|qwen3[._-]?next|mamba|jamba|rwkv|lfm2|falcon[._-]?h1|hybrid", re.IGNORECASE
-)
-"""Names of hybrid or recurrent families (a student path or slime's model script)."""
+GATED_DELTA_NAME = re.compile(r"qwen3[._-]?5|qwen3[._-]?next", re.IGNORECASE)
+"""Names of Gated DeltaNet hybrid families whose slime layers take tree-packed samples."""
+RECURRENT_NAME = re.compile(r"mamba|jamba|rwkv|lfm2|falcon[._-]?h1|hybrid", re.IGNORECASE)
+"""Names of other hybrid or recurrent families (a student path or slime's model script)."""
+GATED_DELTA_TYPES = ("qwen3_5", "qwen3_next")
+"""HF model_type prefixes of those families (slime_ext.slime.hybrid_attention.FAMILIES)."""
 PER_TURN_COST = "each turn recomputes its whole context"
 
 
@@ -54,8 +58,33 @@ def resolve(job: JobConfig) -> Resolved:
             raise ConfigError(f"algorithm.sequence_layout packed: {reason.text}; use per_turn")
         return Resolved("packed", "algorithm.sequence_layout packed")
     if reason is None:
-        return Resolved("packed", "auto: the student is full-attention (its config.json)")
+        return Resolved("packed", f"auto: {packable_student(job)}")
     return Resolved("per_turn", f"auto: {reason.text}, so per turn ({PER_TURN_COST})")
+
+
+def packable_student(job: JobConfig) -> str:
+    """Why `auto` packs the student (`unpackable_student` found nothing against it)."""
+    student = Path(job.model.student)
+    names = [str(student), str(job.cluster.model_args_script or "")]
+    readable = (student / "config.json").is_file()
+    hybrid = readable and _layer_kinds(student) != {"full_attention"}
+    named = not readable and any(GATED_DELTA_NAME.search(name) for name in names)
+    if hybrid or named:
+        where = "its config.json" if hybrid else "its name"
+        return (
+            f"the student is a Gated DeltaNet hybrid ({where}): its linear-attention layers, "
+            "slime's, run each branch from the trunk's state (slime_ext.slime.hybrid_attention)"
+        )
+    return "the student is full-attention (its config.json)"
+
+
+def _layer_kinds(student: Path) -> set[str]:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(student, local_files_only=True)
+    text = getattr(config, "text_config", None)
+    kinds = getattr(config, "layer_types", None) or getattr(text, "layer_types", None)
+    return {str(kind) for kind in kinds or ["full_attention"]}
 
 
 @dataclass(frozen=True)
@@ -77,18 +106,29 @@ def unpackable_student(job: JobConfig) -> Reason | None:
             config = AutoConfig.from_pretrained(student, local_files_only=True)
         except (OSError, ValueError, KeyError) as err:
             return Reason(f"{student}/config.json does not load here ({err})", known=False)
-        why = unpackable_reason(config)
+        why = unpackable_reason(config, linear_attention=True)
+        model_type = str(getattr(config, "model_type", ""))
+        hybrid = why is None and _layer_kinds(student) != {"full_attention"}
+        if hybrid and not model_type.startswith(GATED_DELTA_TYPES):
+            why = (
+                f"this model ({model_type}) has linear-attention layers slime's layers "
+                f"for {', '.join(GATED_DELTA_TYPES)} do not cover, so no branch runs "
+                "from the trunk's state"
+            )
         return None if why is None else Reason(f"{student}: {why}", known=True)
     names = [str(student), str(job.cluster.model_args_script or "")]
-    hybrid = [name for name in names if HYBRID_NAME.search(name)]
-    if hybrid:
+    if any(GATED_DELTA_NAME.search(name) for name in names):
+        return None
+    recurrent = [name for name in names if RECURRENT_NAME.search(name)]
+    if recurrent:
         return Reason(
-            f"{hybrid[0]} names a hybrid (linear-attention) or recurrent family, whose "
-            "state has no mask for a branch",
+            f"{recurrent[0]} names a recurrent or hybrid family whose state has no mask "
+            "for a branch and no layer here that runs one from a state",
             known=True,
         )
     return Reason(
         f"{student}/config.json is not readable where the plan is made, so its layers are "
-        "unknown (set algorithm.sequence_layout: packed for a full-attention student)",
+        "unknown (set algorithm.sequence_layout: packed for a full-attention or Qwen3.5 / "
+        "Qwen3-Next student)",
         known=False,
     )

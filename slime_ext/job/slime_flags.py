@@ -76,6 +76,15 @@ def _packed(job: JobConfig, value: str | None, given: Given) -> bool:
     return resolve(job).layout == "packed"
 
 
+CPU_TREE_SPEC = "slime_ext.cpu_runtime.spec"
+"""The CPU runtime's spec module (a rehearsal's): its tree_layer_spec builds the plan's tree
+attention spec with the CPU runtime's layers, so a packed job may name it."""
+
+
+def _packed_other_spec(job: JobConfig, value: str | None, given: Given) -> bool:
+    return value != CPU_TREE_SPEC and _packed(job, value, given)
+
+
 def _sampled(job: JobConfig, value: str | None, given: Given) -> bool:
     return job.algorithm.recipe in SAMPLED_ON_SLIME
 
@@ -234,7 +243,16 @@ REFUSED: tuple[RefusedFlag, ...] = (
             "algorithm.sequence_layout: per_turn to use your own",
             _packed,
         )
-        for flag in ("--spec", "--position-embedding-type", "--custom-megatron-init-path")
+        for flag in ("--position-embedding-type", "--custom-megatron-init-path")
+    ),
+    RefusedFlag(
+        "--spec",
+        "the plan sets it for tree-packed samples (algorithm.sequence_layout resolved to "
+        "packed): the tree attention in every layer's spec (slime's Gated DeltaNet layers "
+        "taking the tree in a hybrid's), RoPE applied inside it at each token's position; "
+        "another spec would train packed samples with causal attention, a silently wrong "
+        "objective. Set algorithm.sequence_layout: per_turn to use your own",
+        _packed_other_spec,
     ),
     RefusedFlag(
         "--custom-megatron-init-path",
