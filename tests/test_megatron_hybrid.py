@@ -13,6 +13,7 @@ from zero states (and without the trunk in its convolution window), and misses.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests import slime_cpu
 from tests.slime_driver import require_slime, run_ranks
 
 require_slime()
@@ -32,9 +32,7 @@ from tests.test_megatron_step import (  # noqa: E402
     LAYOUTS,
     MAX_TOKENS_PER_GPU,
     RECIPE,
-    _train,
-    close_process,
-    init_process,
+    _rank,
     kept_and_drifted,  # noqa: F401 (a fixture)
     scripted_with_topk,
 )
@@ -43,6 +41,11 @@ from tests.test_slime_real import ROLLOUTS, recipe_args, rollout_groups, rollout
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 LAYER_TYPES = ["linear_attention", "full_attention"]
+HEAVY = pytest.mark.skipif(
+    not os.environ.get("OPD_HEAVY_TESTS"),
+    reason="set OPD_HEAVY_TESTS=1: think kept with a drifted turn (about 20 s; CI keeps the "
+    "dropped cases, and tests/test_gated_delta.py a drifted and a held span at kernel level)",
+)
 ACROSS_LAYOUTS_ATOL = 1e-5
 """Reductions in another order (measured, on the embedding: against the single process
 1.4e-6 at TP2-DP2, 3.8e-6 at CP2; packed against per turn < 1e-6 at TP2-DP2, 3.7e-6 at
@@ -70,7 +73,7 @@ def hybrid_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def _zero_state_plans(patch: pytest.MonkeyPatch) -> None:
+def zero_state_plans(patch: pytest.MonkeyPatch) -> None:
     """Every branch from zeros, its window without the trunk: the negative control."""
     from slime_ext.gated_delta import DeltaPlan
     from slime_ext.slime import hybrid_attention
@@ -90,34 +93,12 @@ def _zero_state_plans(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(hybrid_attention, "delta_plan", from_zeros)
 
 
-def _slime_cp_gradient(patch: pytest.MonkeyPatch) -> None:
+def slime_cp_gradient(patch: pytest.MonkeyPatch) -> None:
     """The gradient as slime's CP gather alone gives it (the wrapper's completion off)."""
     from slime_ext.slime import hybrid_attention
 
     patch.setattr(hybrid_attention._ScaledGradient, "apply", lambda x, scale: x)
     patch.setattr(hybrid_attention._GradientSummedOverRanks, "apply", lambda x, group, scale: x)
-
-
-def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], path: str) -> None:
-    import ray
-
-    from tests.megatron_cpu import cpu_redirects
-
-    tp, cp, _, _ = layout
-    init_process(rank, world, port, tp, cp)
-    ray.get = lambda value, **kwargs: value  # type: ignore[assignment]
-    case = torch.load(f"{path}/case.pt", weights_only=False)
-    results = {}
-    with slime_cpu.cpu_accelerator(), cpu_redirects():
-        for name, run in case["runs"].items():
-            with pytest.MonkeyPatch.context() as patch:
-                if run.pop("zero_states", False):
-                    _zero_state_plans(patch)
-                if run.pop("slime_cp_gradient", False):
-                    _slime_cp_gradient(patch)
-                results[name] = _train(case, layout, **run)
-    torch.save(results, f"{path}/rank{rank}.pt")
-    close_process()
 
 
 def _case(
@@ -167,7 +148,7 @@ def single_process(tmp_path_factory: pytest.TempPathFactory, factory_tokenizer: 
     [
         ("drop", LAYOUTS["tp2-dp2-sp"]),
         ("drop", LAYOUTS["tp1-cp2-dp2"]),
-        ("keep", LAYOUTS["tp2-dp2-sp"]),
+        pytest.param("keep", LAYOUTS["tp2-dp2-sp"], marks=HEAVY),
     ],
     ids=["drop-tp2-dp2-sp", "drop-tp1-cp2-dp2", "keep-tp2-dp2-sp"],
 )
@@ -187,9 +168,10 @@ def test_hybrid_packed_samples_train_as_per_turn_samples(
     single_process = request.getfixturevalue("single_process") if think == "drop" else None
     tp, cp, dp, _ = layout
     per_turn = COMMON | {"boxes_key": "per_turn_boxes"}
-    runs = {"packed": COMMON, "per_turn": per_turn, "zero_states": COMMON | {"zero_states": True}}
+    zero_states = COMMON | {"patches": [f"{__name__}.zero_state_plans"]}
+    runs = {"packed": COMMON, "per_turn": per_turn, "zero_states": zero_states}
     if cp > 1:
-        runs["slime_cp_gradient"] = per_turn | {"slime_cp_gradient": True}
+        runs["slime_cp_gradient"] = per_turn | {"patches": [f"{__name__}.slime_cp_gradient"]}
     case = _case(tmp_path, factory_tokenizer, layout, runs, kept)
     torch.save(case, tmp_path / "case.pt")
     ranks = run_ranks(_rank, tp * cp * dp, layout, tmp_path)

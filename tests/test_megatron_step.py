@@ -26,6 +26,7 @@ interface the local trainer reads (hidden states, output embedding).
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -249,6 +250,8 @@ def doubled_loss(args: Any, batch: Any, logits: Any, sum_of_sample_mean: Any) ->
 
 
 def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], path: str) -> None:
+    """Each of the case's runs (`patches`: dotted names of functions given a MonkeyPatch
+    for that run) trained on this rank; the results saved for the test."""
     import ray
 
     from tests.megatron_cpu import cpu_redirects
@@ -261,7 +264,11 @@ def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], 
     results = {}
     with slime_cpu.cpu_accelerator(), cpu_redirects():
         for name, run in case["runs"].items():
-            results[name] = _train(case, layout, **run)
+            with pytest.MonkeyPatch.context() as patch:
+                for patcher in run.pop("patches", ()):  # a run's negative control
+                    module, _, function = patcher.rpartition(".")
+                    getattr(importlib.import_module(module), function)(patch)
+                results[name] = _train(case, layout, **run)
     torch.save(results, f"{path}/rank{rank}.pt")
     close_process()
 

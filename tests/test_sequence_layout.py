@@ -72,7 +72,8 @@ def test_a_gated_delta_hybrid_is_packed_and_slime_gets_the_tree_layers(hybrid: P
     assert _has(words, TREE_FLAGS)
     assert job_yaml["algorithm"]["sequence_layout"] == "packed"
     assert "Gated DeltaNet hybrid (its config.json)" in note
-    assert resolve(_job(str(hybrid), sequence_layout="per_turn")).layout == "per_turn"
+    per_turn = resolve(_job(str(hybrid), sequence_layout="per_turn"))  # the example: CP 2
+    assert per_turn.layout == "per_turn" and "under CP slime's own Gated DeltaNet" in per_turn.why
 
 
 @pytest.mark.parametrize(

@@ -49,9 +49,11 @@ def resolve(job: JobConfig) -> Resolved:
                 "pre-tokenized per-turn records (slime_ext.slime.sft_rollout); use auto or "
                 "per_turn"
             )
-        return Resolved("per_turn", f"recipe {job.algorithm.recipe}: pre-tokenized turns")
+        why = f"recipe {job.algorithm.recipe}: pre-tokenized turns"
+        return Resolved("per_turn", why + _cp_caveat(job))
     if wanted == "per_turn":
-        return Resolved("per_turn", f"algorithm.sequence_layout per_turn ({PER_TURN_COST})")
+        why = f"algorithm.sequence_layout per_turn ({PER_TURN_COST})"
+        return Resolved("per_turn", why + _cp_caveat(job))
     reason = unpackable_student(job)
     if wanted == "packed":
         if reason is not None and reason.known:
@@ -60,6 +62,19 @@ def resolve(job: JobConfig) -> Resolved:
     if reason is None:
         return Resolved("packed", f"auto: {packable_student(job)}")
     return Resolved("per_turn", f"auto: {reason.text}, so per turn ({PER_TURN_COST})")
+
+
+def _cp_caveat(job: JobConfig) -> str:
+    """What a per-turn Gated DeltaNet hybrid under context parallelism should know."""
+    if job.parallel.cp == 1 or unpackable_student(job) is not None:
+        return ""
+    if "Gated DeltaNet" not in packable_student(job):
+        return ""
+    return (
+        "; note: under CP slime's own Gated DeltaNet layers lose the gradient that output "
+        "chunks on other CP ranks owe to earlier inputs (measured, docs/packing-on-megatron"
+        ".md); packed samples run them through the wrapper that completes it"
+    )
 
 
 def packable_student(job: JobConfig) -> str:

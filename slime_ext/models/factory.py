@@ -21,14 +21,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen3_5ForCausalLM,
-    Qwen3_5TextConfig,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 FACTORY_PREFIX = "factory:"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -193,6 +186,10 @@ def build_model(
         torch.manual_seed(seed)
         if spec.arch == "qwen3":
             return Qwen3ForCausalLM(Qwen3Config(**common))
+        # here, not at import: Qwen3.5's modeling imports flash-linear-attention where it is
+        # installed, which warns on a machine without a GPU (a Qwen3 build never needs it)
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
         layer_types = list(spec.layer_types or ["linear_attention"] * spec.num_layers)
         if len(layer_types) != spec.num_layers:
             raise ValueError(
