@@ -38,12 +38,16 @@ BRANCH_PADDING = 1.25
 tokens stay within this factor of the real ones (sorted by length, so batches are tight)."""
 
 
+def config_layer_types(config: Any) -> list[str]:
+    """Each layer's kind from an HF config, or its text_config's (empty when it names none:
+    all full attention)."""
+    text = getattr(config, "text_config", None)
+    kinds = getattr(config, "layer_types", None) or getattr(text, "layer_types", None)
+    return [str(kind) for kind in kinds or []]
+
+
 def layer_types(model: Any) -> list[str]:
-    """Each layer's kind from the model's config (empty when it names none: all full
-    attention)."""
-    config = model.config
-    text = getattr(config, "text_config", None) or config
-    return list(getattr(text, "layer_types", None) or [])
+    return config_layer_types(model.config)
 
 
 def is_hybrid(model: Any) -> bool:

@@ -35,6 +35,7 @@ from rollout.masking import loss_mask_for
 from rollout.trajectory import Trajectory
 from slime_ext.hybrid_tree import (
     LINEAR_ATTENTION,
+    config_layer_types,
     hybrid_tree,
     hybrid_tree_forward,
     is_hybrid,
@@ -360,7 +361,7 @@ def check_packable(model: object, kernel: str = "kv") -> None:
     """Refuse models whose layers cannot take a tree-packed sequence through `kernel` (kv:
     the trunk-then-branches kernel, the only one hybrid models take; mask, flex)."""
     config = getattr(model, "config", None)
-    reason = unpackable_reason(config, linear_attention=True)
+    reason = unpackable_reason(config)
     if reason is None and config is not None and is_hybrid(model):
         reason = unsupported_linear_layers(model)
         if reason is None and kernel != "kv":
@@ -378,21 +379,18 @@ RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
 """HF model types without attention layers (their state runs over the whole sequence)."""
 
 
-def unpackable_reason(config: object, linear_attention: bool = False) -> str | None:
+def unpackable_reason(config: object) -> str | None:
     """Why a model (its HF config) cannot evaluate a tree-packed sequence exactly, or None.
-    Every layer must be full attention, or with `linear_attention` (a kernel that runs a
-    branch from the trunk's state: slime_ext.hybrid_tree) linear attention; sliding
-    windows and recurrent models have neither a mask nor that path for a branch."""
+    Every layer must be full attention or linear attention (run from the trunk's state:
+    slime_ext.hybrid_tree); sliding windows and recurrent models have neither a mask nor
+    that path for a branch."""
     if config is None:
         return None
-    text = getattr(config, "text_config", None)
-    layer_types = getattr(config, "layer_types", None) or getattr(text, "layer_types", None)
-    allowed = {"full_attention", LINEAR_ATTENTION} if linear_attention else {"full_attention"}
-    other = sorted({str(kind) for kind in layer_types or []} - allowed)
-    if other:
+    kinds = set(config_layer_types(config)) - {"full_attention", LINEAR_ATTENTION}
+    if kinds:
         return (
-            f"this model has {', '.join(other)} layers, whose state or window cannot express "
-            "tree branches with a mask"
+            f"this model has {', '.join(sorted(kinds))} layers, whose state or window cannot "
+            "express tree branches with a mask"
         )
     model_type = str(getattr(config, "model_type", ""))
     if model_type in RECURRENT_MODEL_TYPES:

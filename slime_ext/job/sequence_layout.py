@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slime_ext.job.config import ConfigError, JobConfig
 
@@ -82,7 +83,7 @@ def packable_student(job: JobConfig) -> str:
     student = Path(job.model.student)
     names = [str(student), str(job.cluster.model_args_script or "")]
     readable = (student / "config.json").is_file()
-    hybrid = readable and _layer_kinds(student) != {"full_attention"}
+    hybrid = readable and _has_linear_attention(_config(student))
     named = not readable and any(GATED_DELTA_NAME.search(name) for name in names)
     if hybrid or named:
         where = "its config.json" if hybrid else "its name"
@@ -93,13 +94,16 @@ def packable_student(job: JobConfig) -> str:
     return "the student is full-attention (its config.json)"
 
 
-def _layer_kinds(student: Path) -> set[str]:
+def _config(student: Path) -> Any:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(student, local_files_only=True)
-    text = getattr(config, "text_config", None)
-    kinds = getattr(config, "layer_types", None) or getattr(text, "layer_types", None)
-    return {str(kind) for kind in kinds or ["full_attention"]}
+    return AutoConfig.from_pretrained(student, local_files_only=True)
+
+
+def _has_linear_attention(config: Any) -> bool:
+    from slime_ext.hybrid_tree import LINEAR_ATTENTION, config_layer_types
+
+    return LINEAR_ATTENTION in config_layer_types(config)
 
 
 @dataclass(frozen=True)
@@ -115,15 +119,13 @@ def unpackable_student(job: JobConfig) -> Reason | None:
 
     student = Path(job.model.student)
     if (student / "config.json").is_file():
-        from transformers import AutoConfig
-
         try:
-            config = AutoConfig.from_pretrained(student, local_files_only=True)
+            config = _config(student)
         except (OSError, ValueError, KeyError) as err:
             return Reason(f"{student}/config.json does not load here ({err})", known=False)
-        why = unpackable_reason(config, linear_attention=True)
+        why = unpackable_reason(config)
         model_type = str(getattr(config, "model_type", ""))
-        hybrid = why is None and _layer_kinds(student) != {"full_attention"}
+        hybrid = why is None and _has_linear_attention(config)
         if hybrid and not model_type.startswith(GATED_DELTA_TYPES):
             why = (
                 f"this model ({model_type}) has linear-attention layers slime's layers "
