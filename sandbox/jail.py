@@ -36,6 +36,10 @@ from sandbox.base import LimitName
 
 logger = logging.getLogger(__name__)
 
+STRICT_WORKDIR = "/sandbox"
+"""Where a strict sandbox sees its working directory, whatever its host path: the paths
+its commands print (pwd, tracebacks) are the same in every sandbox, so an agent's
+observations do not depend on which slot ran it."""
 SYSTEM_RO_PATHS = ("/usr", "/etc")
 """Read-only in every strict sandbox; /bin, /lib, /lib64, /sbin follow (usr-merged or not)."""
 _USR_MERGE_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
@@ -176,6 +180,16 @@ class Jail:
         self.tmp_size_mb = tmp_size_mb
         self.bwrap = bwrap
 
+    @property
+    def visible_workdir(self) -> Path:
+        """The working directory as its commands see it: STRICT_WORKDIR under bubblewrap
+        (the host path where a read-only path lies under STRICT_WORKDIR), else the host path."""
+        if self.isolation == "basic" or _covered(STRICT_WORKDIR, self.ro_paths):
+            return self.workdir
+        if any(_covered(p, [STRICT_WORKDIR]) for p in self.ro_paths):
+            return self.workdir
+        return Path(STRICT_WORKDIR)
+
     def argv(
         self,
         command: Sequence[str],
@@ -196,7 +210,7 @@ class Jail:
         bwrap += ["--perms", "1777", "--size", str(self.tmp_size_mb * 1024 * 1024)]
         bwrap += ["--tmpfs", "/tmp"]
         bwrap += self._bind_args(ro_files)
-        bwrap += ["--chdir", str(self.workdir)]
+        bwrap += ["--chdir", str(self.visible_workdir)]
         return [*prlimit, *bwrap, "--", *_drop_to(self.uid), *command]
 
     def _bind_args(self, ro_files: Sequence[Path]) -> list[str]:
@@ -206,16 +220,17 @@ class Jail:
         mounted = [*SYSTEM_RO_PATHS, *_USR_MERGE_LINKS]
         made = {"/", "/tmp", "/proc", "/dev"}
         requested = [*self.ro_paths, *(os.path.abspath(p) for p in ro_files)]
-        binds = [(p, "--ro-bind") for p in sorted(dict.fromkeys(requested), key=len)]
+        binds = [(p, p, "--ro-bind") for p in sorted(dict.fromkeys(requested), key=len)]
+        workdir = (str(self.workdir), str(self.visible_workdir), "--bind")
         args: list[str] = []
-        for path, kind in [*binds, (str(self.workdir), "--bind")]:
+        for source, path, kind in [*binds, workdir]:
             if kind == "--ro-bind" and _covered(path, mounted):
                 continue
             for parent in map(str, reversed(Path(path).parents)):
                 if parent not in made and not _covered(parent, mounted):
                     args += ["--perms", "0755", "--dir", parent]
                     made.add(parent)
-            args += [kind, path, path]
+            args += [kind, source, path]
             mounted.append(path)
         return args
 
@@ -233,7 +248,7 @@ class Jail:
         tmp = "/tmp" if self.isolation == "strict" else str(self.workdir)
         return {
             "PATH": SAFE_PATH,
-            "HOME": str(self.workdir),
+            "HOME": str(self.visible_workdir),
             "TMPDIR": tmp,
             "LANG": "C.UTF-8",
             "USER": "sandbox",

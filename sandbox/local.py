@@ -152,7 +152,13 @@ class LocalSandbox(StartsAndCloses):
 
     @property
     def workdir(self) -> Path:
+        """The working directory's host path."""
         return self._started_jail().workdir
+
+    @property
+    def visible_workdir(self) -> Path:
+        """The working directory as commands see it (jail.STRICT_WORKDIR under bubblewrap)."""
+        return self._started_jail().visible_workdir
 
     def _started_jail(self) -> Jail:
         if self._closed:

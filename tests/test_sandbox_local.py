@@ -145,7 +145,10 @@ def test_strict_command_line_confines_namespaces_mounts_and_uid(tmp_path: Path) 
     assert "--ro-bind /opt/py/lib /opt/py/lib" in joined
     assert "/usr/lib/x" not in joined  # already visible through /usr
     assert "--perms 0755 --dir /opt --perms 0755 --dir /opt/py" in joined
-    assert f"--bind {workdir} {workdir}" in joined
+    assert f"--bind {workdir} /sandbox --chdir /sandbox" in joined
+    # a read-only path under /sandbox would be hidden by it: the host path is kept then
+    nested = Jail("strict", 200_007, workdir, [Path("/sandbox/py")], 32, "bwrap")
+    assert f"--bind {workdir} {workdir}" in " ".join(nested.argv(["true"], limits))
     assert f"--size {32 * 1024 * 1024} --tmpfs /tmp" in joined
     setpriv = argv.index("setpriv")
     assert argv[setpriv : setpriv + 4] == [
@@ -247,9 +250,11 @@ def test_commands_run_as_the_sandbox_uid_in_its_workdir_with_a_scrubbed_env(
             env = await sandbox.exec("id -u; pwd; env", 10, env={"FROM_CALL": "x"})
             await sandbox.exec("mkdir -p sub/dir", 10)
             where = await sandbox.exec("pwd", 10, cwd="sub/dir")
-            return env, where, sandbox.uid, sandbox.workdir
+            return env, where, sandbox.uid, sandbox.visible_workdir
 
     env, where, uid, workdir = run(scenario())
+    # strict: the same path in every sandbox, so what commands print does not name the slot
+    assert (str(workdir) == "/sandbox") == (isolation == "strict")
     lines = env.stdout.splitlines()
     assert lines[0] == str(uid) and lines[1] == str(workdir)
     variables = dict(line.split("=", 1) for line in lines[2:] if "=" in line)

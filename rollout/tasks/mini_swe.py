@@ -30,6 +30,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from rollout.chat import Message
+from rollout.harness.swe_scripts import bash, submit
 from rollout.trajectory import Task
 from sandbox.base import Sandbox, SandboxError
 
@@ -85,6 +87,13 @@ class MiniSWESpec(BaseModel):
     hint: str | None = None
     """A reference hint for a self-teacher (OPSD's `reference` source): where the bug is
     and what to check, without the fix."""
+    module_path: str | None = None
+    """The file that holds the bug (relative to the repository)."""
+    example: str | None = None
+    """The issue's failing call, a Python expression (`func([3, 4], 1)`)."""
+    fix_command: str | None = None
+    """A bash command that applies the reference fix by line number (sed), as the worked
+    script's edit writes it."""
 
 
 class _Family(BaseModel):
@@ -103,6 +112,8 @@ class _Family(BaseModel):
     statement: str
     hint: str
     """Where to look and what to check, never the fix (OPSD's reference hint)."""
+    example: str
+    """The call the statement shows failing (a Python expression)."""
 
 
 class _Catalog(BaseModel):
@@ -302,6 +313,9 @@ def make_task(family_name: str, seed: int, index: int) -> Task:
         protected_paths=catalog.protected_paths,
         test_command=catalog.test_command,
         hint=_fill(family.hint, {**names, "module_path": module_path}).strip(),
+        module_path=module_path,
+        example=_fill(family.example, names),
+        fix_command=line_edit_command(module_path, buggy, fixed),
     )
     return Task(
         task_id=f"{KIND}-{seed}-{index:04d}-{family_name}",
@@ -327,6 +341,30 @@ def file_diff(path: str, old: str, new: str) -> str:
         tofile=f"b/{path}",
     )
     return header + "".join(lines)
+
+
+def line_edit_command(path: str, old: str, new: str) -> str:
+    """A sed command that turns `old` into `new` (texts of `path`) where they differ in one
+    place: the changed lines replaced by line number (`Ns|.*|text|`), or lines inserted
+    before one (`Ni\\text`). Raises ValueError for any other difference."""
+    old_lines, new_lines = old.splitlines(), new.splitlines()
+    changes = [
+        op for op in difflib.SequenceMatcher(a=old_lines, b=new_lines).get_opcodes()
+        if op[0] != "equal"
+    ]
+    if len(changes) != 1:
+        raise ValueError(f"{path}: {len(changes)} changed places; a line edit makes one")
+    kind, start, end, new_start, new_end = changes[0]
+    inserted = new_lines[new_start:new_end]
+    if any("'" in line for line in inserted):
+        raise ValueError(f"{path}: a line edit cannot write a single quote")
+    if kind == "replace" and end - start == 1 and len(inserted) == 1:
+        text = inserted[0].replace("\\", "\\\\").replace("&", "\\&").replace("|", "\\|")
+        return f"sed -i '{start + 1}s|.*|{text}|' {shlex.quote(path)}"
+    if kind == "insert" and start < len(old_lines):
+        text = "\\n".join(line.replace("\\", "\\\\") for line in inserted)
+        return f"sed -i '{start + 1}i\\{text}' {shlex.quote(path)}"
+    raise ValueError(f"{path}: a {kind} of {end - start} lines is not a line edit")
 
 
 def swebench_instance(task: Task) -> dict[str, Any]:
@@ -374,6 +412,33 @@ async def materialize(task: Task, sandbox: Sandbox, timeout_s: float = 60.0) -> 
             f"(exit {result.exit_code}): {(result.stderr or result.stdout).strip()}"
         )
     return result.stdout.strip().splitlines()[-1]
+
+
+VISIBLE_TESTS_COMMAND = "python -m pytest -qq tests"
+"""How the worked script runs the visible tests: -qq leaves out the timing line, so the
+observation is the same in every run."""
+
+
+def worked_script(task: Task) -> list[Message]:
+    """The turns of a careful engineer fixing `task`: list the files, read the module, run
+    the visible tests, run the issue's example, apply the fix, run the example and the tests
+    again, submit (traces for the SWE demo's models, `opd demo-models build --harness swe`)."""
+    spec = spec_of(task)
+    if spec.module_path is None or spec.example is None or spec.fix_command is None:
+        raise ValueError(f"{task.task_id}: a task from before worked scripts (no example)")
+    module = spec.module_path.removesuffix(".py").replace("/", ".")
+    func = spec.example.partition("(")[0]
+    example = f"python -c 'from {module} import {func}; print({spec.example})'"
+    return [
+        bash("git ls-files"),
+        bash(f"cat -n {shlex.quote(spec.module_path)}"),
+        bash(VISIBLE_TESTS_COMMAND),
+        bash(example),
+        bash(spec.fix_command),
+        bash(example),
+        bash(VISIBLE_TESTS_COMMAND),
+        submit(),
+    ]
 
 
 class MiniSWETasks:
