@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,6 +21,14 @@ from launch.eval_cli import compare, eval_app, sweep_app
 from launch.ssd_cli import ssd_app
 from slime_ext.job.config import ConfigError, JobConfig, config_to_yaml, load_config
 from teacher_server.cli_help import hide_flag_types, version_option
+
+
+class DemoHarness(str, Enum):
+    """The demos: math with a python tool, or mini-SWE repositories."""
+
+    tir = "tir"
+    swe = "swe"
+
 
 hide_flag_types()
 console = Console()
@@ -148,9 +157,22 @@ def factory_build(
 
 @app.command("demo")
 def demo(
-    out: Annotated[Path, typer.Option(help="Run directory (replaced).")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(help="OPD steps.")] = 24,
-    n_heldout: Annotated[int, typer.Option(help="Held-out problems evaluated.")] = 300,
+    harness: Annotated[
+        DemoHarness,
+        typer.Argument(
+            help="tir: math with a python tool (bundled:student / teacher); swe: mini-SWE "
+            "repositories in local sandboxes (bundled:swe-student / swe-teacher)."
+        ),
+    ] = DemoHarness.tir,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Run directory (replaced); default runs/demo or runs/demo-swe."),
+    ] = None,
+    steps: Annotated[int | None, typer.Option(help="OPD steps (default: tir 24, swe 12).")] = None,
+    n_heldout: Annotated[
+        int | None,
+        typer.Option(help="Held-out problems or tasks evaluated (default: tir 300, swe 100)."),
+    ] = None,
     eval_every: Annotated[
         int,
         typer.Option(
@@ -163,13 +185,14 @@ def demo(
         int | None,
         typer.Option(
             help="Seed of the training problems' order and of every sampled token "
-            "(demo.yaml's model.seed, 0); the bundled models and held-out set stay.",
+            "(the config's model.seed, 0); the bundled models and held-out set stay.",
         ),
     ] = None,
 ) -> None:
     """The one-machine OPD demo: evaluate the bundled student, run per-turn OPD against the
     bundled teacher (served on 127.0.0.1) for a few minutes, evaluate again. A line per
-    step, checkpoint and evaluation."""
+    step, checkpoint and evaluation. `opd demo swe`: the same on mini-SWE, an agent fixing
+    repositories over several turns in sandboxes."""
     from slime_ext.local.loop import RolloutsFailedError
     from slime_ext.local.opd_demo import run_opd_demo
 
@@ -181,6 +204,7 @@ def demo(
             console=console,
             eval_every_steps=eval_every,
             seed=seed,
+            harness=harness.value,
         )
     except RolloutsFailedError as err:
         raise _failed("the demo stopped", str(err)) from None
@@ -426,15 +450,28 @@ app.add_typer(demo_models_app, name="demo-models")
 @demo_models_app.command("build")
 def demo_models_build(
     out: Annotated[Path, typer.Option(help="Where to write student/ and teacher/.")],
-    student_step: Annotated[int, typer.Option(help="SFT step saved as the student.")] = 500,
-    teacher_step: Annotated[int, typer.Option(help="SFT step saved as the teacher.")] = 1200,
+    harness: Annotated[
+        DemoHarness, typer.Option(help="The models of `opd demo` (tir) or `opd demo swe`.")
+    ] = DemoHarness.tir,
+    student_step: Annotated[
+        int | None, typer.Option(help="SFT step saved as the student (default: recorded).")
+    ] = None,
+    teacher_step: Annotated[
+        int | None, typer.Option(help="SFT step saved as the teacher (default: recorded).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Initialization and data seed.")] = 0,
 ) -> None:
-    """Train the demo's models by SFT on worked traces (the recorded recipe)."""
+    """Train a demo's models by SFT on worked traces (the recorded recipe; swe: worked
+    mini-SWE scripts run in local sandboxes first)."""
     from slime_ext.local.demo_models import DemoModelsRecipe, build_demo_models
 
     out.mkdir(parents=True, exist_ok=True)
-    recipe = DemoModelsRecipe(student_step=student_step, teacher_step=teacher_step, seed=seed)
+    changed: dict[str, int] = {"seed": seed}
+    if student_step is not None:
+        changed["student_step"] = student_step
+    if teacher_step is not None:
+        changed["teacher_step"] = teacher_step
+    recipe = DemoModelsRecipe.for_harness(harness.value, **changed)
     build_demo_models(out, recipe, log=lambda line: console.print(line, highlight=False))
 
 

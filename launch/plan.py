@@ -153,9 +153,36 @@ def check_cluster(job: JobConfig) -> None:
             "trains on the local trainer only (slime's loss gets the teacher's KL or the "
             "reward's advantages, not both yet): set algorithm.reward_weight: 0"
         )
+    problems += _kl_discount_problems(job)
     problems += extra_args_problems(job)
     if problems:
         raise ConfigError("not launchable on a cluster:\n  " + "\n  ".join(problems))
+
+
+def _kl_discount_problems(job: JobConfig) -> list[str]:
+    """algorithm.kl_discount sums each token's later KL within its sample (slime's loss
+    hook): a trajectory must be one sample, whole on one rank."""
+    discount = job.algorithm.kl_discount
+    if not discount:
+        return []
+    if job.parallel.cp > 1:
+        where = f"parallel.cp {job.parallel.cp} splits a trajectory's tokens over ranks"
+    else:
+        try:
+            layout = resolve_layout(job)
+        except ConfigError:
+            return []  # the layout's own problem is reported where it is resolved
+        if layout.layout == "packed":
+            return []
+        where = (
+            f"the layout is per turn ({layout.why}): a turn's sample holds none of the later "
+            "turns its tokens would be charged for"
+        )
+    return [
+        f"algorithm.kl_discount {discount} sums each token's later KL within its sample, so a "
+        f"trajectory must be one sample on one rank, but {where}: set kl_discount: 0, or "
+        "sequence_layout packed with parallel.cp 1"
+    ]
 
 
 def _sandbox_problems(job: JobConfig) -> list[str]:

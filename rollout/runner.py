@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from rollout.chat import ChatRenderer, Message, TrajectoryBuilder
-from rollout.harness.base import Episode, Harness
+from rollout.harness.base import SUBMITTED_REASON, Episode, Harness
 from rollout.masking import MaskStats
 from rollout.policy import GenerationAborted, Policy, PolicyError, SamplingParams
 from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Turn, write_jsonl
@@ -547,8 +547,14 @@ def summary_metrics(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
         if s.get("teacher_session_error")
     )
     rewards = [s["reward"] for s in summaries if s["reward"] is not None]
+    invalid = stats.turns[MaskTier.INVALID_ACTION]
+    submitted = sum(1 for s in summaries if s["status_reason"] == SUBMITTED_REASON)
     return {
         "rollout/num_turns": sum(s["num_turns"] for s in summaries) / trajectories,
+        # the agent's health: turns whose action parsed as a valid tool call, and (SWE)
+        # trajectories the agent ended by submitting
+        "rollout/valid_action_frac": 1.0 - invalid / max(stats.total, 1),
+        "rollout/submitted_frac": submitted / trajectories,
         "rollout/tokens_per_turn": sum(sum(s["span_tokens"]) for s in summaries) / count,
         "rollout/reward": sum(rewards) / max(len(rewards), 1),
         "rollout/pass_rate": sum(r > 0 for r in rewards) / trajectories,

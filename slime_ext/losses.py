@@ -79,12 +79,32 @@ def sampled_reverse_kl(
     )
 
 
+def discounted_future_sum(values: Tensor, owners: Tensor, discount: float) -> Tensor:
+    """[N] -> [N]: at each token, the sum over the same owner's tokens from it onwards of
+    discount^(distance) * value (tokens in order within an owner, as every batch here lays
+    out a trajectory's spans). discount 0 returns `values`."""
+    if discount == 0.0 or values.numel() == 0:
+        return values
+    flat = values.detach().double().tolist()
+    ids = owners.tolist()
+    out = [0.0] * len(flat)
+    running, owner = 0.0, None
+    for index in range(len(flat) - 1, -1, -1):
+        if ids[index] != owner:
+            running, owner = 0.0, ids[index]
+        running = flat[index] + discount * running
+        out[index] = running
+    return torch.tensor(out, dtype=values.dtype, device=values.device)
+
+
 def reverse_kl_pg_loss(
     student_logprobs: Tensor,
     teacher_logprobs: Tensor,
     mask: Tensor,
     old_logprobs: Tensor | None = None,
     clip: float | tuple[float, float] | None = None,
+    kl_discount: float = 0.0,
+    owners: Tensor | None = None,
 ) -> TokenLoss:
     """Policy-gradient form of the sampled reverse KL: advantage A_t = -k_t.
 
@@ -93,6 +113,12 @@ def reverse_kl_pg_loss(
     taken under the sampling policy and the loss is -A_t * ratio_t with ratio_t =
     exp(s - old), PPO-clipped to [1 - clip, 1 + clip] (or [low, high]) when clip is set.
     The loss value at a fresh sample equals k_t.
+
+    kl_discount gamma > 0 (tinker-cookbook's kl_discount_factor): A_t = -sum over the same
+    trajectory's (`owners`) loss tokens s >= t, later turns included, of gamma^d * k_s, d
+    the number of loss tokens from t to s (observations and masked turns do not count, so
+    the per-turn-spans layout here and a whole-trajectory sample on slime agree): a token is
+    also charged for the divergence it leads to. The metrics stay the plain k_t.
     """
     valid = mask.bool()
     student = keep_valid_rows(student_logprobs.float(), valid)
@@ -103,12 +129,18 @@ def reverse_kl_pg_loss(
         else keep_valid_rows(old_logprobs.detach().float(), valid)
     )
     advantage = teacher - behaviour
-    ratio = torch.exp(student - behaviour)
-    loss = -advantage * ratio
     metrics = {
         "opd_reverse_kl": masked_mean(-advantage, valid),
         "student_gt_teacher_frac": masked_mean((behaviour > teacher).float(), valid),
     }
+    if kl_discount:
+        if owners is None:
+            raise ValueError("kl_discount needs each token's trajectory (owners)")
+        rows = valid.nonzero().squeeze(-1)
+        later = discounted_future_sum(advantage[rows], owners[rows], kl_discount)
+        advantage = torch.zeros_like(advantage).index_put((rows,), later)
+    ratio = torch.exp(student - behaviour)
+    loss = -advantage * ratio
     if clip is not None:
         low, high = (1.0 - clip, 1.0 + clip) if isinstance(clip, (int, float)) else clip
         if not 0.0 <= low <= 1.0 <= high:

@@ -106,6 +106,12 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
             "reward_weight adds an outcome reward to a teacher's KL",
         ),
         (
+            {"algorithm": {"kl_discount": 0.9, "opd_loss": "topk_tail"}, "teacher": {"top_k": 8}},
+            r"kl_discount 0.9 discounts the sampled reverse KL's advantage .* opd_loss: sampled",
+        ),
+        ({"algorithm": {"recipe": "sft", "kl_discount": 0.9}}, "recipe 'sft' with opd_loss"),
+        ({"algorithm": {"kl_discount": 1.0}}, "kl_discount"),
+        (
             {"parallel": {"num_nodes": 4, "gpus_per_node": 4, "tp": 2, "cp": 2, "dp": 2}},
             r"tp x cp x dp x pp = 2 x 2 x 2 x 1 = 8 GPUs, .* = 16: set dp to 4",
         ),

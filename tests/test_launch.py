@@ -433,6 +433,22 @@ def test_opd_plus_reward_is_refused_on_a_cluster() -> None:
         check_cluster(job)
 
 
+def test_kl_discount_is_refused_where_a_trajectory_is_not_one_sample_on_one_rank() -> None:
+    packed = {"kl_discount": 0.9, "sequence_layout": "packed"}
+    check_cluster(
+        _cluster_job(algorithm=packed, parallel={"cp": 1, "dp": 8, "max_tokens_per_gpu": 80000})
+    )
+    with pytest.raises(ConfigError, match=r"kl_discount 0.9 .* parallel.cp 2 splits"):
+        check_cluster(_cluster_job(algorithm=packed))
+    per_turn = {"kl_discount": 0.9, "sequence_layout": "per_turn"}
+    with pytest.raises(ConfigError, match=r"kl_discount 0.9 .* the layout is per turn"):
+        check_cluster(
+            _cluster_job(
+                algorithm=per_turn, parallel={"cp": 1, "dp": 8, "max_tokens_per_gpu": 80000}
+            )
+        )
+
+
 def test_top_k_truncation_is_refused_where_slime_samples() -> None:
     job = _oprd_job(rollout={"top_k": 20})
     with pytest.raises(ConfigError, match=r"rollout.top_k 20: slime keeps no top-k .* -1"):

@@ -129,6 +129,44 @@ def test_pg_loss_value_is_k_t_and_clipping_stops_gradient() -> None:
         reverse_kl_pg_loss(student, teacher, mask, old_logprobs=old, clip=(1.1, 1.2))
 
 
+@given(
+    st.lists(
+        st.tuples(st.floats(-5, 0), st.floats(-5, 0), st.booleans(), st.integers(0, 2)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from([0.0, 0.5, 0.9]),
+)
+def test_kl_discount_charges_each_token_for_its_trajectorys_later_loss_tokens(
+    rows: list[tuple[float, float, bool, int]], gamma: float
+) -> None:
+    rows = sorted(rows, key=lambda row: row[3])  # a trajectory's tokens are contiguous
+    student = torch.tensor([r[0] for r in rows], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    mask = torch.tensor([r[2] for r in rows])
+    owners = torch.tensor([r[3] for r in rows])
+    result = reverse_kl_pg_loss(student, teacher, mask, kl_discount=gamma, owners=owners)
+    result.per_token.sum().backward()
+    assert student.grad is not None
+    for t, (s_t, _, valid, owner) in enumerate(rows):
+        if not valid:
+            assert result.per_token[t] == 0 and student.grad[t] == 0
+            continue
+        later = [r for r in rows[t:] if r[2] and r[3] == owner]  # loss tokens from t on
+        charged = sum(gamma**d * (r[0] - r[1]) for d, r in enumerate(later))
+        # a fresh sample: the value is the advantage's negative, the gradient too
+        assert float(result.per_token[t]) == pytest.approx(charged, rel=1e-5, abs=1e-5)
+        assert float(student.grad[t]) == pytest.approx(charged, rel=1e-5, abs=1e-5)
+        del s_t
+    plain = reverse_kl_pg_loss(student, teacher, mask)  # the metrics stay k_t's
+    assert float(result.metrics["opd_reverse_kl"]) == pytest.approx(
+        float(plain.metrics["opd_reverse_kl"])
+    )
+    if gamma:
+        with pytest.raises(ValueError, match="owners"):
+            reverse_kl_pg_loss(student, teacher, mask, kl_discount=gamma)
+
+
 def _masked_rows_check(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
     student = _logits(6, 9, seed=3).requires_grad_()
     mask = torch.tensor([True, False, True, False, True, True])

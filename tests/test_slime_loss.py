@@ -212,3 +212,33 @@ def test_padded_vocabulary_columns_take_no_mass_and_the_first_step_ratio_is_one(
     padded_loss, padded_log = _call(_args(), batch, logits)
     assert abs(float(padded_log["opd_reverse_kl"]) - sum(expected)) > 1e-2
     assert abs(float(padded_loss) - sum(expected)) > 1e-2
+
+
+def test_kl_discount_charges_each_token_for_its_samples_later_loss_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """algorithm.kl_discount on slime's path (a trajectory is one sample, cp 1): each loss
+    token's advantage sums the reverse KL of its sample's loss tokens from it on, discounted
+    per loss token; a masked token (an observation) adds nothing and is not counted."""
+    gamma = 0.5
+    job_yaml = _job_yaml(tmp_path, extra=f"\n  kl_discount: {gamma}")
+    monkeypatch.setenv("OPD_JOB_CONFIG", str(job_yaml))
+    batch, logits = _batch()
+    batch["loss_masks"][0] = torch.tensor([1, 0, 1, 1], dtype=torch.int)  # an observation
+    loss, log = _call(_args(), batch, logits)
+    rows = torch.log_softmax(logits[0].detach() / TEMPERATURE, dim=-1)
+    expected, plain, start = 0.0, 0.0, 0
+    for tokens, total, response, teacher, mask in zip(
+        batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"],
+        batch["teacher_log_probs"], batch["loss_masks"], strict=True,
+    ):  # fmt: skip
+        positions = torch.arange(total - response - 1, total - 1)
+        k = (rows[start + positions, tokens[total - response :]] - teacher).tolist()
+        kept = [value for value, carries in zip(k, mask.tolist(), strict=True) if carries]
+        for t in range(len(kept)):
+            expected += sum(gamma**d * value for d, value in enumerate(kept[t:]))
+        plain += sum(kept)
+        start += total
+    assert float(loss) == pytest.approx(expected, rel=1e-5)  # ratio 1: loss = -advantage
+    assert float(log["opd_reverse_kl"]) == pytest.approx(plain, rel=1e-5)  # k_t, undiscounted
+    assert abs(expected - plain) > 1e-2  # the discount changed the loss

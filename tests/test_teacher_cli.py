@@ -50,7 +50,7 @@ def test_a_taken_port_is_one_line_before_the_model_is_looked_at() -> None:
     ("model", "says"),
     [
         ("/nope", "is neither a local HF directory nor factory:<preset>"),
-        ("bundled:nope", "bundled models are bundled:student and bundled:teacher"),
+        ("bundled:nope", "bundled models are bundled:student, bundled:teacher, bundled:swe"),
         ("factory:nope", "nope"),
     ],
 )

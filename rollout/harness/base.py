@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict
 from rollout.chat import Message, RecordedTurn
 from rollout.trajectory import MaskTier, Task
 
+SUBMITTED_REASON = "submitted"
+"""The status reason of a trajectory whose agent ended it by submitting (SWE's submit)."""
+
 
 class StepOutcome(BaseModel):
     """What a turn's action led to."""

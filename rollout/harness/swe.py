@@ -47,7 +47,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.chat import Message, RecordedTurn
-from rollout.harness.base import StepOutcome
+from rollout.harness.base import SUBMITTED_REASON, StepOutcome
 from rollout.harness.prompts import read_prompts
 from rollout.harness.swe_env import (
     EnvironmentSandbox,
@@ -448,7 +448,7 @@ class SWEEpisode:
             )
         if call.name == "submit":
             self.submission = await self._capture_diff()
-            return StepOutcome(tier=MaskTier.VALID, done=True, reason="submitted")
+            return StepOutcome(tier=MaskTier.VALID, done=True, reason=SUBMITTED_REASON)
         config = self.harness.config
         self.tool_calls += 1
         # Merging stderr on the command's own first line keeps bash's line numbers.

@@ -349,7 +349,8 @@ def line_edit_command(path: str, old: str, new: str) -> str:
     before one (`Ni\\text`). Raises ValueError for any other difference."""
     old_lines, new_lines = old.splitlines(), new.splitlines()
     changes = [
-        op for op in difflib.SequenceMatcher(a=old_lines, b=new_lines).get_opcodes()
+        op
+        for op in difflib.SequenceMatcher(a=old_lines, b=new_lines).get_opcodes()
         if op[0] != "equal"
     ]
     if len(changes) != 1:
@@ -414,9 +415,10 @@ async def materialize(task: Task, sandbox: Sandbox, timeout_s: float = 60.0) -> 
     return result.stdout.strip().splitlines()[-1]
 
 
-VISIBLE_TESTS_COMMAND = "python -m pytest -qq tests"
+VISIBLE_TESTS_COMMAND = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -qq tests"
 """How the worked script runs the visible tests: -qq leaves out the timing line, so the
-observation is the same in every run."""
+observation is the same in every run; the interpreter's third-party plugins stay out, as
+in the task's test_command."""
 
 
 def worked_script(task: Task) -> list[Message]:

@@ -362,6 +362,12 @@ class AlgorithmConfig(Section):
     opd_loss: Literal["sampled", "topk_tail", "topk_renorm"] = "sampled"
     """OPD's per-token loss: the sampled reverse KL in policy-gradient form, or the reverse
     KL against the teacher's top-k (teacher.top_k > 0) with a tail bucket or renormalized."""
+    kl_discount: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """opd / opsd with opd_loss sampled: each token's advantage is the discounted sum of the
+    reverse KL of it and of every later token of its trajectory, later turns included
+    (tinker-cookbook's kl_discount_factor): a token is charged for the divergence it leads
+    to. 0: each token its own KL. On a cluster only where a trajectory is one sample
+    (sequence_layout packed) and parallel.cp is 1."""
     train_on_invalid_turns: bool = True
     """Whether KL-to-teacher losses train on tier-1/2 invalid turns (imitation losses never do)."""
     oprd_success_weight: float = Field(default=1.0, ge=0.0)
@@ -535,6 +541,16 @@ class JobConfig(Section):
                 f"algorithm.reward_weight adds an outcome reward to a teacher's KL (recipes "
                 f"opd, opsd); recipe {recipe!r} has no KL to add it to (recipe rl trains on "
                 "the reward alone)"
+            )
+        if self.algorithm.kl_discount > 0 and (
+            recipe not in ("opd", "opsd") or self.algorithm.opd_loss != "sampled"
+        ):
+            raise ValueError(
+                f"algorithm.kl_discount {self.algorithm.kl_discount} discounts the sampled "
+                "reverse KL's advantage (recipes opd, opsd with algorithm.opd_loss: sampled); "
+                f"recipe {recipe!r} with opd_loss {self.algorithm.opd_loss!r} has no such "
+                "advantage (a top-k loss is a full divergence per token): set kl_discount: 0 "
+                "or opd_loss: sampled"
             )
         if recipe == "opd" and self.teacher.kind == "self":
             raise ValueError(

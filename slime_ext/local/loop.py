@@ -158,6 +158,7 @@ def trainer_config(job: JobConfig) -> TrainerConfig:
         temperature=rollout.temperature,
         kl_coef=algorithm.kl_coef,
         reward_weight=algorithm.reward_weight,
+        kl_discount=algorithm.kl_discount,
         train_on_invalid_turns=algorithm.train_on_invalid_turns,
         opd_loss=algorithm.opd_loss,
         sequence_layout=algorithm.sequence_layout,
@@ -335,7 +336,8 @@ class LocalRun:
         self, recipe: str, total: int, heldout: Sequence[Task] | None
     ) -> TrainingReport:
         """The run's progress lines, opened by what it will do."""
-        report = TrainingReport(self.console, recipe, self.step, total)
+        agent = self.job.rollout.harness == "swe"
+        report = TrainingReport(self.console, recipe, self.step, total, agent=agent)
         rollout, every = self.job.rollout, self.job.logging.eval_every_steps
         if self.start.checkpoint is not None:
             report.line(

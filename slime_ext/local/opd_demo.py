@@ -1,9 +1,15 @@
-"""`opd demo`: per-turn OPD on one machine that visibly learns.
+"""`opd demo [swe]`: per-turn OPD on one machine that visibly learns.
 
 Greedy held-out accuracy of the bundled student, a few minutes of per-turn OPD against
 the bundled teacher (served by `opd-teacher` on 127.0.0.1), greedy accuracy again; a
 before/after table with a paired 95% interval, a PNG of accuracy and opd_reverse_kl
 over steps, and runs/demo/summary.json.
+
+- tir (`opd demo`): math with a python tool; accuracy is the share of correct answers.
+- swe (`opd demo swe`): mini-SWE repositories in the job's sandboxes; accuracy is the
+  share of held-out tasks resolved (hidden tests), and the summary carries what the agent
+  did before and after (turns, tokens per turn, valid tool calls, submissions, aborts);
+  every evaluation trajectory is kept in eval/.
 """
 
 from __future__ import annotations
@@ -22,8 +28,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from rollout.policy import HFPolicy
+from rollout.runner import rollout_metrics
+from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks
+from rollout.trajectory import Trajectory, TrajectoryStatus, write_jsonl
+from slime_ext.job.assembly import harness_for
 from slime_ext.job.config import JobConfig, load_config
+from slime_ext.job.sandboxes import JobSandboxes, run_owner
 from slime_ext.local.evaluate import (
     accuracy_metrics,
     correct,
@@ -32,17 +43,28 @@ from slime_ext.local.evaluate import (
     paired_difference,
 )
 from slime_ext.local.loop import LocalRun, embedded_teacher, load_metrics, tir_harness
-from slime_ext.local.progress import accuracy_text
+from slime_ext.local.progress import accuracy_text, agent_fields
 from slime_ext.local.wandb_log import WandbLogger
 from slime_ext.models.refs import bundled_models
 
+DEMO_CONFIGS = {"tir": "demo.yaml", "swe": "demo-swe.yaml"}
+DEMO_DEFAULTS = {"tir": {"steps": 24, "n_heldout": 300}, "swe": {"steps": 12, "n_heldout": 100}}
+"""`opd demo`'s steps and held-out count per harness."""
+SWE_TRAIN_TASKS = 2000
+"""mini-SWE tasks the SWE demo draws its training steps from (seed model.seed)."""
+
 
 def demo_job(
-    run_dir: Path, steps: int, eval_every_steps: int = 0, seed: int | None = None
+    run_dir: Path,
+    steps: int,
+    eval_every_steps: int = 0,
+    seed: int | None = None,
+    harness: str = "tir",
 ) -> JobConfig:
-    """launch/configs/demo.yaml with this run's directory, step count, evaluations and
-    (when given) seed: the order of training problems and every sampled token."""
-    path = Path(str(resources.files("launch.configs").joinpath("demo.yaml")))
+    """launch/configs/demo.yaml (demo-swe.yaml) with this run's directory, step count,
+    evaluations and (when given) seed: the order of training problems and every sampled
+    token."""
+    path = Path(str(resources.files("launch.configs").joinpath(DEMO_CONFIGS[harness])))
     overrides = [
         f"logging.run_dir={run_dir}",
         f"logging.eval_every_steps={eval_every_steps}",
@@ -53,51 +75,109 @@ def demo_job(
     return load_config(path, overrides)
 
 
-async def _accuracy(model_dir: Path, tasks: list[Any]) -> list[float]:
+async def _trajectories(model_dir: Path, tasks: list[Any], job: JobConfig) -> list[Trajectory]:
+    """Greedy trajectories of `model_dir` on `tasks` (SWE: in the job's sandboxes, within
+    its rollout limits; TIR: the math demo's fixed limits)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     policy = HFPolicy(model, tokenizer.eos_token_id)
-    return correct(await evaluate(policy, tokenizer, tasks, tir_harness()))
+    if job.rollout.harness != "swe":
+        return await evaluate(policy, tokenizer, tasks, tir_harness())
+    rollout = job.rollout
+    async with JobSandboxes.of_job(job, run_owner(job.logging.run_dir)) as sandboxes:
+        return await evaluate(
+            policy,
+            tokenizer,
+            tasks,
+            harness_for(job, sandboxes),
+            concurrency=rollout.concurrency,
+            max_turns=rollout.max_turns,
+            max_new_tokens=rollout.max_new_tokens,
+            max_context_tokens=rollout.max_context_tokens,
+        )
 
 
-def _scored(console: Console, label: str, model_dir: Path, tasks: list[Any]) -> list[float]:
-    """Greedy scores of `model_dir` on `tasks`, announced and printed as a line each (the
-    spinner alone shows nothing in a log file)."""
+def _scored(
+    console: Console, label: str, model_dir: Path, tasks: list[Any], job: JobConfig
+) -> list[Trajectory]:
+    """Greedy trajectories of `model_dir` on `tasks`, announced and printed as a line each
+    (the spinner alone shows nothing in a log file); SWE: written to eval/<label>.jsonl."""
     started = time.perf_counter()
-    doing = f"evaluating {label} on {len(tasks)} held-out problems (greedy)"
+    unit = "tasks" if job.rollout.harness == "swe" else "problems"
+    doing = f"evaluating {label} on {len(tasks)} held-out {unit} (greedy)"
     if not console.is_terminal:
         console.print(doing, highlight=False)
     with console.status(doing):
-        scores = asyncio.run(_accuracy(model_dir, tasks))
-    text = accuracy_text(accuracy_metrics(scores), time.perf_counter() - started)
-    console.print(f"{label}: held-out accuracy {text}", highlight=False, markup=False)
-    return scores
+        trajectories = asyncio.run(_trajectories(model_dir, tasks, job))
+    seconds = time.perf_counter() - started
+    text = accuracy_text(accuracy_metrics(correct(trajectories)), seconds)
+    line = f"{label}: held-out accuracy {text}"
+    if job.rollout.harness == "swe":
+        path = job.logging.run_dir / "eval" / f"{label.replace(' ', '_')}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        write_jsonl(path, trajectories)
+        line += "  " + "  ".join(agent_fields("opd", rollout_metrics(trajectories)))
+    console.print(line, highlight=False, markup=False)
+    return trajectories
+
+
+AGENT_KEYS = (
+    "rollout/num_turns",
+    "rollout/tokens_per_turn",
+    "rollout/valid_action_frac",
+    "rollout/submitted_frac",
+    "rollout/masked_turn_frac",
+)
+"""What the SWE summary reports of each evaluation's agent (as eval_before / eval_after)."""
+
+
+def agent_summary(trajectories: list[Trajectory]) -> dict[str, float]:
+    """The agent metrics of one evaluation's trajectories, with the count of aborts."""
+    metrics = rollout_metrics(trajectories)
+    summary = {key.removeprefix("rollout/"): metrics[key] for key in AGENT_KEYS}
+    summary["aborts"] = float(
+        sum(1 for t in trajectories if t.status != TrajectoryStatus.COMPLETED)
+    )
+    return summary
 
 
 def run_opd_demo(
-    out: Path = Path("runs/demo"),
-    steps: int = 24,
-    n_heldout: int = 300,
+    out: Path | None = None,
+    steps: int | None = None,
+    n_heldout: int | None = None,
     console: Console | None = None,
     fresh: bool = True,
     eval_every_steps: int = 0,
     seed: int | None = None,
+    harness: str = "tir",
 ) -> dict[str, Any]:
+    """The demo of `harness` (tir or swe); None: the harness's default run directory
+    (runs/demo, runs/demo-swe), steps and held-out count (DEMO_DEFAULTS)."""
     console = console or Console()
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
+    out = out or Path("runs/demo" if harness == "tir" else f"runs/demo-{harness}")
+    steps = steps if steps is not None else DEMO_DEFAULTS[harness]["steps"]
+    n_heldout = n_heldout if n_heldout is not None else DEMO_DEFAULTS[harness]["n_heldout"]
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    student_dir, teacher_dir = bundled_models()
-    heldout = heldout_tasks(n_heldout)
-    train_tasks = make_tasks(4000, "train", seed=1)
-    job = demo_job(out, steps, eval_every_steps, seed)
+    student_dir, teacher_dir = bundled_models(harness)
+    heldout = heldout_tasks(n_heldout, harness)
+    job = demo_job(out, steps, eval_every_steps, seed, harness)
+    if harness == "swe":
+        train_tasks = mini_swe.generate_tasks(SWE_TRAIN_TASKS, seed=job.model.seed)
+        what = f"per-turn OPD on mini-SWE, {n_heldout} held-out tasks"
+    else:
+        train_tasks = make_tasks(4000, "train", seed=1)
+        what = f"per-turn OPD on math TIR, {n_heldout} held-out problems"
     console.print(
-        f"[bold]opd demo[/bold]: per-turn OPD on math TIR, {n_heldout} held-out "
-        f"problems, {steps} steps of {job.rollout.tasks_per_step} problems"
+        f"[bold]opd demo[/bold]: {what}, {steps} steps of {job.rollout.tasks_per_step} "
+        f"{'tasks' if harness == 'swe' else 'problems'}"
     )
-    before = _scored(console, "student before", student_dir, heldout)
+    before_run = _scored(console, "student before", student_dir, heldout, job)
+    before = correct(before_run)
     logger = WandbLogger(job, out, "opd-demo")
     run = LocalRun(job, student_dir, out, console)
     with embedded_teacher(teacher_dir, out / "teacher.log") as teacher_url:
@@ -109,7 +189,8 @@ def run_opd_demo(
                 heldout=heldout[: job.logging.eval_problems],
             )
         )
-    after = _scored(console, "student after", out / "checkpoint", heldout)
+    after_run = _scored(console, "student after", out / "checkpoint", heldout, job)
+    after = correct(after_run)
     history = load_metrics(out)
     if history:  # the final evaluation under the names of the periodic ones, at its step
         logger.log(accuracy_metrics(after), int(history[-1]["step"]))
@@ -125,12 +206,30 @@ def run_opd_demo(
         "opd_reverse_kl_last": history[-1].get("rollout/opd_reverse_kl") if history else None,
         "steps": len(history),
         "seed": job.model.seed,
-        "wall_s": time.perf_counter() - started,
     }
+    if harness == "swe":
+        summary["harness"] = harness
+        summary["eval_before"] = agent_summary(before_run)
+        summary["eval_after"] = agent_summary(after_run)
+        summary["training"] = training_summary(history)
+    summary["wall_s"] = time.perf_counter() - started
     summary["plot"] = str(_plot(history, summary, out / "demo.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_table(console, summary)
     return summary
+
+
+TRAINING_KEYS = (*AGENT_KEYS, "rollout/opd_reverse_kl", "rollout/student_gt_teacher_frac")
+
+
+def training_summary(history: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The agent metrics of the first and last training step's rollouts."""
+    if not history:
+        return {}
+    return {
+        which: {key.removeprefix("rollout/"): row[key] for key in TRAINING_KEYS if key in row}
+        for which, row in (("first_step", history[0]), ("last_step", history[-1]))
+    }
 
 
 def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Path:
@@ -168,14 +267,16 @@ def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: Path) ->
 
 
 def _print_table(console: Console, summary: dict[str, Any]) -> None:
-    table = Table(title="opd demo")
+    swe = summary.get("harness") == "swe"
+    measure = "resolved" if swe else "accuracy"
+    table = Table(title="opd demo swe" if swe else "opd demo")
     table.add_column("")
     table.add_column("value", justify="right")
     low, high = summary["diff_ci95"]
     kl_first, kl_last = summary["opd_reverse_kl_first"], summary["opd_reverse_kl_last"]
     rows = [
-        ("held-out accuracy before", f"{summary['accuracy_before']:.1%}"),
-        ("held-out accuracy after", f"{summary['accuracy_after']:.1%}"),
+        (f"held-out {measure} before", f"{summary['accuracy_before']:.1%}"),
+        (f"held-out {measure} after", f"{summary['accuracy_after']:.1%}"),
         ("paired difference (95% CI)", f"{summary['diff']:+.1%} [{low:+.1%}, {high:+.1%}]"),
         (
             "opd_reverse_kl first -> last",
@@ -184,6 +285,18 @@ def _print_table(console: Console, summary: dict[str, Any]) -> None:
         ("steps", str(summary["steps"])),
         ("wall time", f"{summary['wall_s']:.0f} s"),
     ]
+    if "eval_before" in summary:  # SWE: what the agent did, before -> after
+        before, after = summary["eval_before"], summary["eval_after"]
+        rows[2:2] = [
+            (f"held-out {name}", f"{form(before[key])} -> {form(after[key])}")
+            for name, key, form in (
+                ("turns per task", "num_turns", "{:.1f}".format),
+                ("tokens per turn", "tokens_per_turn", "{:.0f}".format),
+                ("valid tool calls", "valid_action_frac", "{:.0%}".format),
+                ("tasks submitted", "submitted_frac", "{:.0%}".format),
+                ("aborts", "aborts", "{:.0f}".format),
+            )
+        ]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

@@ -3,6 +3,8 @@ evaluation. Printed lines, not a live display, so a log file (nohup, Slurm) hold
 terminal's scrollback does:
 
 step 2/3  loss 0.02383  reverse_kl 0.0238  reward 0.000  tokens/s 79  elapsed 3s  eta 2s
+step 2/8  loss 0.4413  reverse_kl 0.4403  reward 0.250  tokens/s 61  turns 7.4  tok/turn 41
+    valid 93%  submitted 75%  aborts 0  s>t 0.38  elapsed 51s  eta 2m33s    (SWE, one line)
 eval after step 2/3: held-out accuracy 12.5% [2.2%, 47.1%] (n=8, 2 s)
 checkpoint written: runs/tiny/checkpoints/step_00002 (step 2/3)
 """
@@ -55,11 +57,32 @@ def step_fields(recipe: str, metrics: Mapping[str, float]) -> list[str]:
     return fields
 
 
+def agent_fields(recipe: str, metrics: Mapping[str, float]) -> list[str]:
+    """What a SWE agent did in one step's rollouts (the report's agent metrics): turns per
+    trajectory, tokens per turn, share of valid tool calls, share submitted, aborts, and
+    for KL recipes how often the student was more sure than the teacher."""
+    aborts = sum(v for k, v in metrics.items() if k.startswith("rollout/abort_count/"))
+    fields = [
+        f"turns {metrics.get('rollout/num_turns', 0.0):.1f}",
+        f"tok/turn {metrics.get('rollout/tokens_per_turn', 0.0):.0f}",
+        f"valid {metrics.get('rollout/valid_action_frac', 0.0):.0%}",
+        f"submitted {metrics.get('rollout/submitted_frac', 0.0):.0%}",
+        f"aborts {aborts:.0f}",
+    ]
+    if recipe in KL_RECIPES and "rollout/student_gt_teacher_frac" in metrics:
+        fields.append(f"s>t {metrics['rollout/student_gt_teacher_frac']:.2f}")
+    return fields
+
+
 class TrainingReport:
     """Prints a run's progress on `console`; elapsed and ETA count from its creation."""
 
-    def __init__(self, console: Console, recipe: str, first_step: int, total: int) -> None:
+    def __init__(
+        self, console: Console, recipe: str, first_step: int, total: int, agent: bool = False
+    ) -> None:
+        """`agent`: step lines carry `agent_fields` too (SWE)."""
         self.console = console
+        self.agent = agent
         self.recipe = recipe
         self.first_step = first_step
         self.total = total
@@ -73,6 +96,8 @@ class TrainingReport:
         elapsed = time.monotonic() - self.started
         per_step = elapsed / max(done - self.first_step, 1)
         fields = [f"step {done}/{self.total}", *step_fields(self.recipe, metrics)]
+        if self.agent:
+            fields += agent_fields(self.recipe, metrics)
         fields += [f"elapsed {clock(elapsed)}", f"eta {clock(per_step * (self.total - done))}"]
         self.line("  ".join(fields))
 

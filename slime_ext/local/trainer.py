@@ -86,6 +86,8 @@ class TrainerConfig(BaseModel):
     masking ablation)."""
     reward_weight: float = Field(default=0.0, ge=0)
     """See AlgorithmConfig.reward_weight."""
+    kl_discount: float = Field(default=0.0, ge=0, lt=1)
+    """See AlgorithmConfig.kl_discount."""
     chunk_size: int = Field(default=64, ge=1)
     """Tokens per LM-head chunk."""
     opd_loss: Literal["sampled", "topk_tail", "topk_renorm"] = "sampled"
@@ -320,6 +322,8 @@ class LocalTrainer:
                 mask,
                 old_logprobs=old,
                 clip=self.config.pg_clip,
+                kl_discount=self.config.kl_discount,
+                owners=batch.trajectory_index,
             )
             per_token = result.per_token * self.config.kl_coef
             metrics.update({f"train/{k}": float(v) for k, v in result.metrics.items()})

@@ -127,7 +127,17 @@ def loss(
         return _oprd_loss(
             job, args, batch, slices, student, mask, sum_of_sample_mean, (old, clip), top
         )
-    result, kl = _recipe_loss(recipe, args, batch, slices, student, mask, (old, clip), top)
+    result, kl = _recipe_loss(
+        recipe,
+        args,
+        batch,
+        slices,
+        student,
+        mask,
+        (old, clip),
+        top,
+        job.algorithm.kl_discount,
+    )
     # kl_coef weighs the KL to the teacher only, as in the local trainer
     coef = job.algorithm.kl_coef if kl is not None else 1.0
     total = sum_of_sample_mean(result.per_token * coef)
@@ -204,10 +214,11 @@ def _recipe_loss(
     mask: Tensor,
     behaviour: tuple[Tensor | None, tuple[float, float] | None],
     top: TeacherTopK | None = None,
+    kl_discount: float = 0.0,
 ) -> tuple[TokenLoss, TokenLoss | None]:
     """The per-token loss of the job's recipe, and the sampled reverse KL when a teacher
     scored the tokens (with a top-k loss: a metric, at the rollout's log-probs as the local
-    trainer reports it)."""
+    trainer reports it). kl_discount: algorithm.kl_discount, over each sample's tokens."""
     if recipe in ("ssd", "sft"):
         return masked_nll(student, mask), None
     if recipe == "rl":
@@ -221,8 +232,31 @@ def _recipe_loss(
             student if sampler is None else sampler, teacher, mask
         )
     old, clip = behaviour
-    result = reverse_kl_pg_loss(student, teacher, mask, old_logprobs=old, clip=clip)
+    owners = _owners(slices, mask.device) if kl_discount else None
+    result = reverse_kl_pg_loss(
+        student,
+        teacher,
+        mask,
+        old_logprobs=old,
+        clip=clip,
+        kl_discount=kl_discount,
+        owners=owners,
+    )
     return result, sampled_reverse_kl(student if old is None else old, teacher, mask)
+
+
+def _owners(slices: list[ResponseSlice], device: torch.device) -> Tensor:
+    """Each local token's sample, for a discount over a sample's later tokens: refused
+    unless this rank holds every sample's response whole and in order (cp 1, which the
+    launch plan requires of kl_discount)."""
+    for index, piece in enumerate(slices):
+        if piece.response_index != list(range(len(piece.response_index))):
+            raise ValueError(
+                f"algorithm.kl_discount: sample {index}'s response is split across context-"
+                "parallel ranks; the discount needs it whole on one rank (parallel.cp 1)"
+            )
+    sizes = torch.tensor([len(s.response_index) for s in slices], device=device)
+    return torch.repeat_interleave(torch.arange(len(slices), device=device), sizes)
 
 
 def _oprd_loss(
