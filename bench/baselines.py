@@ -73,7 +73,7 @@ import httpx
 
 from rollout.trajectory import Task, Trajectory, read_jsonl
 from slime_ext.local.checkpoints import ResumeOptions
-from slime_ext.local.opd_demo import _accuracy, demo_job
+from slime_ext.local.opd_demo import demo_job, heldout_scores
 
 RECIPES = ("opd", "rl", "sft", "ssd")
 LRS = {
@@ -460,7 +460,7 @@ class Bench:
         if path.is_file():
             return list(json.loads(path.read_text()))
         tasks = self.test if split == "test" else self.validation
-        scores = asyncio.run(_accuracy(self.student, tasks))
+        scores = asyncio.run(heldout_scores(self.student, tasks))
         path.write_text(json.dumps(scores))
         return scores
 
@@ -492,13 +492,13 @@ class Bench:
         for step in sorted({*wanted, steps}):
             if step not in test_scores:
                 self.log(f"{arm.key}: scoring step {step} on {len(self.test)} test problems")
-                test_scores[step] = asyncio.run(_accuracy(ckpt_dir(run_dir, step), self.test))
+                test_scores[step] = asyncio.run(heldout_scores(ckpt_dir(run_dir, step), self.test))
         test = {step: statistics.fmean(scores) for step, scores in sorted(test_scores.items())}
         if found is not None:
             validation = found.validation
         else:
             checkpoint = ckpt_dir(run_dir, self.scale.steps)
-            validation = statistics.fmean(asyncio.run(_accuracy(checkpoint, self.validation)))
+            validation = statistics.fmean(asyncio.run(heldout_scores(checkpoint, self.validation)))
         wall = (found.wall_s if found else 0.0) + time.perf_counter() - started
         result = Result(arm, steps, test, test_scores, validation, compute, wall, {})
         result.notes = {

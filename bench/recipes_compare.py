@@ -51,7 +51,7 @@ from rollout.tasks.arithmetic import make_tasks, rephrased_families, trace_messa
 from rollout.trajectory import Task
 from slime_ext.local.demo_models import trace_trajectories
 from slime_ext.local.loop import LocalRun, embedded_teacher, tir_harness
-from slime_ext.local.opd_demo import _accuracy, demo_job
+from slime_ext.local.opd_demo import demo_job, heldout_scores
 from slime_ext.models.refs import bundled_models
 
 
@@ -105,7 +105,7 @@ def run_recipe(
         KL[(recipe, seed)] = [m.get("rollout/opd_reverse_kl", math.nan) for m in history]
     else:
         asyncio.run(run.train(tasks, None))
-    return asyncio.run(_accuracy(run_dir / "checkpoint", heldout))
+    return asyncio.run(heldout_scores(run_dir / "checkpoint", heldout))
 
 
 KL: dict[tuple[str, int], list[float]] = {}
@@ -224,7 +224,7 @@ def main() -> None:
             prompts = read_prompts("hints")
             hinted = [with_hint(task, prompts) for task in self_heldout]
             for name, tasks in (("without", self_heldout), ("with", hinted)):
-                start = asyncio.run(_accuracy(self_student, tasks))
+                start = asyncio.run(heldout_scores(self_student, tasks))
                 print(
                     f"self-teacher recipes' student, unseen rephrasings {name} the hint: "
                     f"{sum(start) / len(start):.1%} held-out",

@@ -179,7 +179,7 @@ def test_extend_trains_each_baseline_on_until_it_reaches_opds_compute(
         baselines, "train_imitation", lambda arm, steps, run_dir, *a: train(arm, steps, run_dir)
     )
     monkeypatch.setattr(baselines, "train_local_run", train)
-    monkeypatch.setattr(baselines, "_accuracy", accuracy)
+    monkeypatch.setattr(baselines, "heldout_scores", accuracy)
     for recipe in baselines.RECIPES:
         keep_grid(bench, recipe, 0.2, 1000.0)
         for arm in bench.grid(recipe):  # tuning scored the end only

@@ -97,6 +97,15 @@ async def _trajectories(model_dir: Path, tasks: list[Any], job: JobConfig) -> li
         )
 
 
+async def heldout_scores(
+    model_dir: Path, tasks: list[Any], job: JobConfig | None = None
+) -> list[float]:
+    """1.0 per task `model_dir` solves greedily, 0.0 per other (`job`: a SWE job's
+    sandboxes and limits; None: math TIR as `opd demo` scores it)."""
+    job = job or demo_job(Path("runs/demo"), steps=1)
+    return correct(await _trajectories(model_dir, tasks, job))
+
+
 def _scored(
     console: Console, label: str, model_dir: Path, tasks: list[Any], job: JobConfig
 ) -> list[Trajectory]:
