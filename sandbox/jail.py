@@ -7,7 +7,7 @@ strict (bubblewrap, host runs as root):
   sandboxes apart. New network, pid, ipc, uts and cgroup namespaces; the root is a fresh
   tmpfs holding read-only binds of /usr, /etc and the interpreter prefixes, a private
   /proc and /dev, a size-capped /tmp, and the working directory (the only writable host
-  path). setpriv drops to the uid, clears supplementary groups, capabilities and the
+  path), seen at /sandbox whatever its host path. setpriv drops to the uid, clears supplementary groups, capabilities and the
   bounding set; bwrap already set no_new_privs, so setuid binaries grant nothing.
 basic (no bubblewrap):
     [as uid] prlimit <limits> -- setpriv --no-new-privs -- COMMAND

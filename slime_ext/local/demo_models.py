@@ -65,8 +65,8 @@ RECORDED: dict[str, dict[str, Any]] = {
         "train_tasks": 800,
         "batch_size": 8,
         "lr": 3e-3,
-        "student_step": 150,
-        "teacher_step": 600,
+        "student_step": 500,
+        "teacher_step": 700,
     },
 }
 """The recipes the bundled models were built with (`opd demo-models build`)."""
