@@ -168,7 +168,7 @@ def demo(
         Path | None,
         typer.Option(help="Run directory (replaced); default runs/demo or runs/demo-swe."),
     ] = None,
-    steps: Annotated[int | None, typer.Option(help="OPD steps (default: tir 24, swe 12).")] = None,
+    steps: Annotated[int | None, typer.Option(help="OPD steps (default: tir 24, swe 16).")] = None,
     n_heldout: Annotated[
         int | None,
         typer.Option(help="Held-out problems or tasks evaluated (default: tir 300, swe 100)."),

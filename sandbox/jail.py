@@ -7,8 +7,9 @@ strict (bubblewrap, host runs as root):
   sandboxes apart. New network, pid, ipc, uts and cgroup namespaces; the root is a fresh
   tmpfs holding read-only binds of /usr, /etc and the interpreter prefixes, a private
   /proc and /dev, a size-capped /tmp, and the working directory (the only writable host
-  path), seen at /sandbox whatever its host path. setpriv drops to the uid, clears supplementary groups, capabilities and the
-  bounding set; bwrap already set no_new_privs, so setuid binaries grant nothing.
+  path), seen at /sandbox whatever its host path. setpriv drops to the uid, clears
+  supplementary groups, capabilities and the bounding set; bwrap already set
+  no_new_privs, so setuid binaries grant nothing.
 basic (no bubblewrap):
     [as uid] prlimit <limits> -- setpriv --no-new-privs -- COMMAND
   Same uid, rlimits and no_new_privs; the host file system is visible with ordinary Unix

@@ -185,3 +185,20 @@ def test_swe_demo_writes_its_summary_agent_metrics_and_trajectories(
     first = summary["training"]["first_step"]
     assert {"opd_reverse_kl", "student_gt_teacher_frac", "valid_action_frac"} <= set(first)
     assert len((out / "trajectories" / "step_00000.jsonl").read_text().splitlines()) == 8
+
+
+def test_demo_takes_the_harness_as_its_argument(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from launch.cli import app
+    from slime_ext.local.opd_demo import demo_job
+
+    job = demo_job(tmp_path, steps=3, harness="swe")
+    assert (job.rollout.harness, job.model.student, job.teacher.model) == (
+        "swe",
+        "bundled:swe-student",
+        "bundled:swe-teacher",
+    )
+    assert job.sandbox.backend == "local" and job.algorithm.steps == 3
+    refused = CliRunner().invoke(app, ["demo", "chess"])
+    assert refused.exit_code == 2 and "tir" in refused.output and "swe" in refused.output

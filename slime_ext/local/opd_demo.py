@@ -48,7 +48,7 @@ from slime_ext.local.wandb_log import WandbLogger
 from slime_ext.models.refs import bundled_models
 
 DEMO_CONFIGS = {"tir": "demo.yaml", "swe": "demo-swe.yaml"}
-DEMO_DEFAULTS = {"tir": {"steps": 24, "n_heldout": 300}, "swe": {"steps": 12, "n_heldout": 100}}
+DEMO_DEFAULTS = {"tir": {"steps": 24, "n_heldout": 300}, "swe": {"steps": 16, "n_heldout": 100}}
 """`opd demo`'s steps and held-out count per harness."""
 SWE_TRAIN_TASKS = 2000
 """mini-SWE tasks the SWE demo draws its training steps from (seed model.seed)."""
