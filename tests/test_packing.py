@@ -102,11 +102,12 @@ def _plain_span_logprobs(model: Any, trajectory: Trajectory) -> torch.Tensor:
     return torch.cat(values)
 
 
-def _trainer(model: Any, layout: str, kernel: str = "kv") -> LocalTrainer:
+def _trainer(model: Any, layout: str, kernel: str = "kv", kl_discount: float = 0.0) -> LocalTrainer:
     config = TrainerConfig(
         temperature=TEMPERATURE,
         sequence_layout=layout,  # type: ignore[arg-type]
         packed_kernel=kernel,  # type: ignore[arg-type]
+        kl_discount=kl_discount,
     )
     return LocalTrainer(model, config)
 
@@ -135,15 +136,18 @@ def test_packed_span_logprobs_equal_plain_per_turn_forwards(
     st.sampled_from(["drop", "keep"]).flatmap(
         lambda policy: st.lists(trajectories(policy), min_size=1, max_size=3)
     ),
-    st.sampled_from(["opd", "sft", "rl"]),
+    st.sampled_from(["opd", "sft", "rl", "opd kl_discount 0.9"]),
 )
 def test_packed_losses_and_gradients_equal_per_turn(
     model: Any, kernel: str, batch: list[Trajectory], recipe: str
 ) -> None:
+    """Every recipe, and OPD whose tokens are charged for their trajectory's later KL (the
+    discount runs over the same tokens in the same order in both layouts)."""
     results = []
+    recipe, _, discount = recipe.partition(" kl_discount ")
     for layout in ("packed", "per_turn"):
         copy_ = copy.deepcopy(model)
-        trainer = _trainer(copy_, layout, kernel)
+        trainer = _trainer(copy_, layout, kernel, float(discount or 0))
         loss, metrics = trainer.loss(batch, recipe)  # type: ignore[arg-type]
         loss.backward()
         grads = [p.grad.clone() for p in copy_.parameters() if p.grad is not None]
@@ -222,6 +226,25 @@ def _long_trajectory(turns: int = 9) -> Trajectory:
         status=TrajectoryStatus.COMPLETED,
         status_reason="done",
     )
+
+
+def test_kl_discount_reaches_the_trainers_loss(model: Any) -> None:
+    """The trainer charges each token for its trajectory's later KL: with teacher log-probs
+    below the student's everywhere (k_t > 0), the discounted loss is larger, by the
+    discounted sums' mean over the trajectory's tokens."""
+    trajectory = _long_trajectory(3)
+    for turn in trajectory.turns:
+        turn.teacher_logprobs = [-20.0] * len(turn.span_ids)
+    losses = {}
+    for discount in (0.0, 0.5):
+        trainer = _trainer(copy.deepcopy(model), "packed", kl_discount=discount)
+        with torch.no_grad():
+            k = trainer.span_logprobs(trainer.batch([trajectory], "kl")).double() + 20.0
+            losses[discount] = float(trainer.loss([trajectory], "opd")[0])
+    later = [sum(0.5**d * v for d, v in enumerate(k.tolist()[t:])) for t in range(len(k))]
+    assert losses[0.0] == pytest.approx(float(k.mean()), rel=1e-4)
+    assert losses[0.5] == pytest.approx(sum(later) / len(later), rel=1e-4)
+    assert losses[0.5] > 1.5 * losses[0.0]
 
 
 def test_branch_groups_of_any_size_give_the_same_hidden_states(model: Any) -> None:
