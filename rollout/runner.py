@@ -37,7 +37,16 @@ from rollout.chat import ChatRenderer, Message, TrajectoryBuilder
 from rollout.harness.base import SUBMITTED_REASON, Episode, Harness
 from rollout.masking import MaskStats
 from rollout.policy import GenerationAborted, Policy, PolicyError, SamplingParams
-from rollout.trajectory import MaskTier, Task, Trajectory, TrajectoryStatus, Turn, write_jsonl
+from rollout.trajectory import (
+    DEADLINE_REASON,
+    MaskTier,
+    Task,
+    Trajectory,
+    TrajectoryStatus,
+    Turn,
+    infrastructure_abort,
+    write_jsonl,
+)
 from sandbox import SandboxError
 from teacher_server.api import ScoreItem, TrajectoryScoreRequest, TrajectoryTurn
 from teacher_server.client import TeacherClient, TeacherError
@@ -139,7 +148,7 @@ def _log_if_unexpected(trajectory_id: str, during: str, error: BaseException) ->
 
 def _status_for(error: BaseException) -> tuple[TrajectoryStatus, str]:
     if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
-        return TrajectoryStatus.ABORTED, "trajectory deadline"
+        return TrajectoryStatus.ABORTED, DEADLINE_REASON
     if isinstance(error, SandboxError):
         return TrajectoryStatus.SANDBOX_ERROR, _error_text(error)
     if isinstance(error, TeacherError):
@@ -549,12 +558,14 @@ def summary_metrics(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
     rewards = [s["reward"] for s in summaries if s["reward"] is not None]
     invalid = stats.turns[MaskTier.INVALID_ACTION]
     submitted = sum(1 for s in summaries if s["status_reason"] == SUBMITTED_REASON)
+    aborted = sum(1 for s in summaries if infrastructure_abort(s["status"], s["status_reason"]))
     return {
         "rollout/num_turns": sum(s["num_turns"] for s in summaries) / trajectories,
         # the agent's health: turns whose action parsed as a valid tool call, and (SWE)
         # trajectories the agent ended by submitting
         "rollout/valid_action_frac": 1.0 - invalid / max(stats.total, 1),
         "rollout/submitted_frac": submitted / trajectories,
+        "rollout/aborted": float(aborted),  # the infrastructure ended them (opd eval's aborts)
         "rollout/tokens_per_turn": sum(sum(s["span_tokens"]) for s in summaries) / count,
         "rollout/reward": sum(rewards) / max(len(rewards), 1),
         "rollout/pass_rate": sum(r > 0 for r in rewards) / trajectories,

@@ -28,6 +28,23 @@ class TrajectoryStatus(str, Enum):
     TEACHER_ERROR = "teacher_error"
 
 
+INFRASTRUCTURE_STATUSES = frozenset(
+    {TrajectoryStatus.SANDBOX_ERROR, TrajectoryStatus.TEACHER_ERROR, TrajectoryStatus.ABORTED}
+)
+"""Statuses that say the infrastructure, not the policy, ended the trajectory. The
+trajectory deadline is the exception: an aborted trajectory whose reason is the deadline
+counts as a timeout (a failure of the policy), not as an abort."""
+DEADLINE_REASON = "trajectory deadline"
+
+
+def infrastructure_abort(status: TrajectoryStatus | str, reason: str) -> bool:
+    """Whether a trajectory that ended so is an abort (`opd eval`'s and the agent
+    metrics' sense: the infrastructure ended it, not the policy)."""
+    status = TrajectoryStatus(status)
+    deadline = status == TrajectoryStatus.ABORTED and reason == DEADLINE_REASON
+    return status in INFRASTRUCTURE_STATUSES and not deadline
+
+
 class MaskTier(IntEnum):
     """Why a turn's action was invalid (invariant 4); VALID for ordinary turns."""
 

@@ -141,7 +141,7 @@ def test_agent_metrics_count_valid_calls_submissions_and_aborts() -> None:
         "tok/turn 10",
         "valid 67%",
         "submitted 33%",
-        "aborts 2",
+        "aborts 1",
         "s>t 0.25",
     ]
 

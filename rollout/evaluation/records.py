@@ -16,17 +16,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.trajectory import Trajectory, TrajectoryStatus, repair_torn_tail
+from rollout.trajectory import (
+    DEADLINE_REASON,
+    Trajectory,
+    TrajectoryStatus,
+    infrastructure_abort,
+    repair_torn_tail,
+)
 
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
-INFRASTRUCTURE_STATUSES = frozenset(
-    {TrajectoryStatus.SANDBOX_ERROR, TrajectoryStatus.TEACHER_ERROR, TrajectoryStatus.ABORTED}
-)
-"""Statuses that say the infrastructure, not the policy, ended the trajectory. The
-trajectory deadline is the exception: an aborted trajectory whose reason is the deadline
-counts as a timeout (a failure of the policy), not as an abort."""
-DEADLINE_REASON = "trajectory deadline"
 
 
 class EvalResultsError(ValueError):
@@ -74,7 +73,7 @@ def record_of(benchmark: str, trajectory: Trajectory, temperature: float | None)
     outcome: Literal["graded", "aborted", "timeout"] = "graded"
     if status == TrajectoryStatus.ABORTED and trajectory.status_reason == DEADLINE_REASON:
         outcome = "timeout"
-    elif status in INFRASTRUCTURE_STATUSES:
+    elif infrastructure_abort(status, trajectory.status_reason):
         outcome = "aborted"
     solved = outcome == "graded" and (trajectory.reward or 0.0) > 0
     reason = str(episode.pop("reason", "")) if outcome == "graded" else trajectory.status_reason

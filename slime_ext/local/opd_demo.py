@@ -31,7 +31,7 @@ from rollout.policy import HFPolicy
 from rollout.runner import rollout_metrics
 from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks
-from rollout.trajectory import Trajectory, TrajectoryStatus, write_jsonl
+from rollout.trajectory import Trajectory, write_jsonl
 from slime_ext.job.assembly import harness_for
 from slime_ext.job.config import JobConfig, load_config
 from slime_ext.job.sandboxes import JobSandboxes, run_owner
@@ -142,12 +142,11 @@ AGENT_KEYS = (
 
 
 def agent_summary(trajectories: list[Trajectory]) -> dict[str, float]:
-    """The agent metrics of one evaluation's trajectories, with the count of aborts."""
+    """The agent metrics of one evaluation's trajectories, with the count of aborts (the
+    infrastructure ended them, as `opd eval` counts them; the step limit is not one)."""
     metrics = rollout_metrics(trajectories)
     summary = {key.removeprefix("rollout/"): metrics[key] for key in AGENT_KEYS}
-    summary["aborts"] = float(
-        sum(1 for t in trajectories if t.status != TrajectoryStatus.COMPLETED)
-    )
+    summary["aborts"] = metrics["rollout/aborted"]
     return summary
 
 

@@ -59,15 +59,15 @@ def step_fields(recipe: str, metrics: Mapping[str, float]) -> list[str]:
 
 def agent_fields(recipe: str, metrics: Mapping[str, float]) -> list[str]:
     """What a SWE agent did in one step's rollouts (the report's agent metrics): turns per
-    trajectory, tokens per turn, share of valid tool calls, share submitted, aborts, and
-    for KL recipes how often the student was more sure than the teacher."""
-    aborts = sum(v for k, v in metrics.items() if k.startswith("rollout/abort_count/"))
+    trajectory, tokens per turn, share of valid tool calls, share submitted, aborts (the
+    infrastructure ended them, as `opd eval` counts them), and for KL recipes how often the
+    student was more sure than the teacher."""
     fields = [
         f"turns {metrics.get('rollout/num_turns', 0.0):.1f}",
         f"tok/turn {metrics.get('rollout/tokens_per_turn', 0.0):.0f}",
         f"valid {metrics.get('rollout/valid_action_frac', 0.0):.0%}",
         f"submitted {metrics.get('rollout/submitted_frac', 0.0):.0%}",
-        f"aborts {aborts:.0f}",
+        f"aborts {metrics.get('rollout/aborted', 0.0):.0f}",
     ]
     if recipe in KL_RECIPES and "rollout/student_gt_teacher_frac" in metrics:
         fields.append(f"s>t {metrics['rollout/student_gt_teacher_frac']:.2f}")
