@@ -28,11 +28,10 @@ from rollout.chat import ChatRenderer, trajectory_from_conversation
 from rollout.harness.swe import SWEHarness, SWEHarnessConfig
 from rollout.harness.swe_scripts import ScriptedSWEPolicy
 from rollout.harness.tir import TIRHarness
-from rollout.policy import SamplingParams
-from rollout.runner import Runner, RunnerConfig
 from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.trajectory import MaskTier, Trajectory
+from slime_ext.local.evaluate import evaluate
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 from slime_ext.models.factory import build_model, build_tokenizer
 
@@ -100,15 +99,17 @@ def worked_trajectories(
     policy = ScriptedSWEPolicy(
         "worked", renderer, {task.task_id: mini_swe.worked_script(task) for task in tasks}
     )
-    steps = max(len(mini_swe.worked_script(task)) for task in tasks)
-    config = RunnerConfig(
+    run = evaluate(
+        policy,
+        renderer.tokenizer,
+        tasks,
+        harness,
         concurrency=concurrency,
-        max_turns=steps,
+        max_turns=max(len(mini_swe.worked_script(task)) for task in tasks),
         max_new_tokens=SWE_TRACE_MAX_NEW_TOKENS,
         max_context_tokens=SWE_TRACE_MAX_CONTEXT,
-        sampling=SamplingParams(max_new_tokens=SWE_TRACE_MAX_NEW_TOKENS, temperature=0),
     )
-    trajectories = asyncio.run(Runner(harness, policy, renderer, config).run(tasks))
+    trajectories = asyncio.run(run)
     if failed := [t for t in trajectories if not (t.reward or 0) > 0]:
         first = failed[0]
         raise RuntimeError(
