@@ -183,13 +183,12 @@ class Jail:
 
     @property
     def visible_workdir(self) -> Path:
-        """The working directory as its commands see it: STRICT_WORKDIR under bubblewrap
-        (the host path where a read-only path lies under STRICT_WORKDIR), else the host path."""
-        if self.isolation == "basic" or _covered(STRICT_WORKDIR, self.ro_paths):
-            return self.workdir
-        if any(_covered(p, [STRICT_WORKDIR]) for p in self.ro_paths):
-            return self.workdir
-        return Path(STRICT_WORKDIR)
+        """The working directory as its commands see it: STRICT_WORKDIR under bubblewrap,
+        else (or where a read-only path lies above or below STRICT_WORKDIR) the host path."""
+        clash = _covered(STRICT_WORKDIR, self.ro_paths) or any(
+            _covered(p, [STRICT_WORKDIR]) for p in self.ro_paths
+        )
+        return self.workdir if self.isolation == "basic" or clash else Path(STRICT_WORKDIR)
 
     def argv(
         self,

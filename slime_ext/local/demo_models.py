@@ -96,16 +96,15 @@ def worked_trajectories(
     """`count` mini-SWE tasks solved by their worked scripts through `harness` (commands
     and grading in its sandboxes); refuses a script that does not resolve its task."""
     tasks = mini_swe.generate_tasks(count, seed=seed)
-    policy = ScriptedSWEPolicy(
-        "worked", renderer, {task.task_id: mini_swe.worked_script(task) for task in tasks}
-    )
+    scripts = {task.task_id: mini_swe.worked_script(task) for task in tasks}
+    policy = ScriptedSWEPolicy("worked", renderer, scripts)
     run = evaluate(
         policy,
         renderer.tokenizer,
         tasks,
         harness,
         concurrency=concurrency,
-        max_turns=max(len(mini_swe.worked_script(task)) for task in tasks),
+        max_turns=max(len(script) for script in scripts.values()),
         max_new_tokens=SWE_TRACE_MAX_NEW_TOKENS,
         max_context_tokens=SWE_TRACE_MAX_CONTEXT,
     )

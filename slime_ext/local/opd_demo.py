@@ -180,9 +180,9 @@ def run_opd_demo(
     else:
         train_tasks = make_tasks(4000, "train", seed=1)
         what = f"per-turn OPD on math TIR, {n_heldout} held-out problems"
+    unit = "tasks" if harness == "swe" else "problems"
     console.print(
-        f"[bold]opd demo[/bold]: {what}, {steps} steps of {job.rollout.tasks_per_step} "
-        f"{'tasks' if harness == 'swe' else 'problems'}"
+        f"[bold]opd demo[/bold]: {what}, {steps} steps of {job.rollout.tasks_per_step} {unit}"
     )
     before_run = _scored(console, "student before", student_dir, heldout, job)
     before = correct(before_run)
