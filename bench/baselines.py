@@ -65,18 +65,19 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
 from rollout.trajectory import Task, Trajectory, read_jsonl
+from slime_ext.job.config import JobConfig
 from slime_ext.local.checkpoints import ResumeOptions
 from slime_ext.local.opd_demo import demo_job, heldout_scores
 
 RECIPES = ("opd", "rl", "sft", "ssd")
-LRS = {
+LRS = {  # math TIR's grids
     "opd": (3e-4, 1e-3, 3e-3),
     "rl": (1e-4, 3e-4, 1e-3),
     "sft": (3e-4, 1e-3, 3e-3),
@@ -93,6 +94,17 @@ SSD_MOVING_LR = max(LRS["ssd"])
 """SSD's ablations run again at this rate, the top of its tuning grid: at its tuned rate
 SSD leaves the student where it started, and so does every ablation of it."""
 TRAJECTORIES_PER_STEP = 16
+SWE_LRS = {
+    "opd": (1e-4, 3e-4, 1e-3),  # `opd demo swe` runs 3e-4 (1e-3 fell to 7%, 5e-4 to 23%)
+    "rl": (3e-5, 1e-4, 3e-4),
+    "sft": (1e-4, 3e-4, 1e-3),
+    "ssd": (3e-5, 1e-4, 3e-4),
+}
+"""SWE's grids: the student is fine-tuned past its own SFT (lr 3e-3), so lower rates."""
+TEACHER_SAMPLING = {"temperature": 1.0, "top_k": -1, "top_p": 1.0}
+"""SWE's SFT traces: the teacher's own distribution, untruncated; resolved ones kept."""
+MAX_TRACE_TASKS = 8
+"""Teacher traces: at most this many tasks sampled per resolved trace wanted."""
 MAX_EXTEND = 4
 """A run extended for equal compute trains at most this many times --steps."""
 
@@ -109,6 +121,11 @@ class Arm:
     mask_invalid: bool = True
     think: str = "drop"
     reward_weight: float = 0.0
+    opd_loss: str = ""
+    """OPD's loss where it is not the platform's (the demo config's: topk_tail)."""
+    kl_discount: float = 0.0
+    """algorithm.kl_discount: each token's signal is the discounted sum of the reverse KL
+    of the trajectory's tokens from it on (0: its own token's alone)."""
 
     @property
     def key(self) -> str:
@@ -123,6 +140,10 @@ class Arm:
             parts.append(f"think-{self.think}")
         if self.reward_weight:
             parts.append(f"rw{self.reward_weight:g}")
+        if self.opd_loss:
+            parts.append(self.opd_loss)
+        if self.kl_discount:
+            parts.append(f"kd{self.kl_discount:g}")
         return "-".join(parts) + f"-s{self.seed}"
 
     @property
@@ -138,6 +159,58 @@ class Scale:
     n_test: int = 200
     n_val: int = 100
     seeds: int = 3
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the math TIR bench and the SWE bench differ in; the procedure is one code."""
+
+    harness: str
+    scale: Scale
+    """The default scale (each field can be set on the command line)."""
+    lrs: Mapping[str, tuple[float, ...]]
+    trajectories_per_step: int
+    unit: str
+    sft_traces: str
+    """worked: the scripted solutions the bundled teacher was trained on (free to make);
+    teacher: the bundled teacher's own resolved trajectories, sampled at T=1, their
+    generation counted as teacher compute."""
+    ssd_temperatures: tuple[float, ...]
+    """SSD's temperature ablation (one value: no such ablation)."""
+    think_ablation: bool
+    """OPD with think kept against dropped (only where the student thinks)."""
+    kl_discounts: tuple[float, ...]
+    """OPD's algorithm.kl_discount arms beside 0 (empty: no such ablation)."""
+
+    @property
+    def ssd_moving_lr(self) -> float:
+        return max(self.lrs["ssd"])
+
+
+PLATFORMS = {
+    "tir": Platform(
+        harness="tir",
+        scale=Scale(),
+        lrs=LRS,
+        trajectories_per_step=TRAJECTORIES_PER_STEP,
+        unit="problems",
+        sft_traces="worked",
+        ssd_temperatures=SSD_TEMPERATURES,
+        think_ablation=True,
+        kl_discounts=(),
+    ),
+    "swe": Platform(
+        harness="swe",
+        scale=Scale(steps=16, eval_every=8, n_test=100, n_val=100, seeds=3),
+        lrs=SWE_LRS,
+        trajectories_per_step=8,  # `opd demo swe`'s 8 tasks per step
+        unit="tasks",
+        sft_traces="teacher",
+        ssd_temperatures=(SSD_SAMPLING["temperature"],),
+        think_ablation=False,  # the bundled SWE models write no think
+        kl_discounts=(0.9, 0.99),
+    ),
+}
 
 
 @dataclass
@@ -169,21 +242,43 @@ def total(step: dict[str, float]) -> float:
 # -- the data ----------------------------------------------------------------------------
 
 
-def test_tasks(scale: Scale) -> list[Task]:
+SWE_VALIDATION_SEED = -2
+"""mini-SWE's validation tasks: a seed no training or test draw uses (test: -1, the
+held-out split `opd demo swe` scores; training: the run's seed, >= 0)."""
+
+
+def test_tasks(scale: Scale, harness: str = "tir") -> list[Task]:
+    """The held-out split `opd demo` (`opd demo swe`) scores."""
+    from slime_ext.local.evaluate import heldout_tasks
+
+    return heldout_tasks(scale.n_test, harness)
+
+
+def validation_tasks(scale: Scale, harness: str = "tir") -> list[Task]:
+    """Held-out problems drawn with another seed, none with a test problem's statement."""
+    from rollout.tasks import mini_swe
     from rollout.tasks.arithmetic import make_tasks
 
-    return make_tasks(scale.n_test, "heldout", seed=1)
-
-
-def validation_tasks(scale: Scale) -> list[Task]:
-    """Held-out problems drawn with another seed, none in the test set."""
-    from rollout.tasks.arithmetic import make_tasks
-
-    test = {task.prompt for task in test_tasks(scale)}
-    pool = make_tasks(scale.n_val + scale.n_test, "heldout", seed=2)
+    test = {task.prompt for task in test_tasks(scale, harness)}
+    if harness == "swe":
+        pool = mini_swe.generate_tasks(scale.n_val + scale.n_test, seed=SWE_VALIDATION_SEED)
+    else:
+        pool = make_tasks(scale.n_val + scale.n_test, "heldout", seed=2)
     chosen = [task for task in pool if task.prompt not in test][: scale.n_val]
     assert len(chosen) == scale.n_val and not test & {t.prompt for t in chosen}
     return chosen
+
+
+def train_tasks(harness: str, seed: int, count: int | None = None) -> list[Task]:
+    """A run's training problems in order (`opd demo`'s pool, drawn with the run's seed);
+    `count`: the first that many (imitation trains on them in order)."""
+    from rollout.tasks import mini_swe
+    from rollout.tasks.arithmetic import make_tasks
+    from slime_ext.local.opd_demo import SWE_TRAIN_TASKS
+
+    if harness == "swe":
+        return mini_swe.generate_tasks(count or SWE_TRAIN_TASKS, seed=seed)
+    return make_tasks(count or 4000, "train", seed=seed)
 
 
 # -- one run -----------------------------------------------------------------------------
@@ -261,28 +356,45 @@ def sampled_tokens(metrics: dict[str, float], trajectories: int) -> float:
     return metrics["rollout/tokens_per_turn"] * metrics["rollout/num_turns"] * trajectories
 
 
-def train_local_run(arm: Arm, steps: int, run_dir: Path, student: Path, teacher: Path) -> None:
+def run_job(arm: Arm, steps: int, run_dir: Path, platform: Platform) -> JobConfig:
+    """The arm's job: `opd demo`'s config (the platform's harness) with the arm's settings,
+    validated as `opd train` validates a config."""
+    from slime_ext.job.config import JobConfig
+
+    job = demo_job(run_dir, steps, seed=arm.seed, harness=platform.harness)
+    data = job.model_dump(mode="json")
+    data["algorithm"].update(
+        recipe="rl" if arm.recipe == "rl" else "opd",
+        lr=arm.lr,
+        reward_weight=arm.reward_weight,
+        kl_discount=arm.kl_discount,
+    )
+    if arm.opd_loss:
+        data["algorithm"]["opd_loss"] = arm.opd_loss
+    data["rollout"].update(
+        samples_per_task=arm.group,
+        tasks_per_step=platform.trajectories_per_step // arm.group,
+        think_policy=arm.think,
+    )
+    data["logging"].update(wandb_mode="disabled", keep_checkpoints=10_000)
+    return JobConfig.model_validate(data)
+
+
+def train_local_run(
+    arm: Arm, steps: int, run_dir: Path, student: Path, teacher: Path, platform: Platform
+) -> None:
     """opd, rl, opd_rl: the local trainer's loop (`opd train`), resumed where it stopped."""
-    from rollout.tasks.arithmetic import make_tasks
     from slime_ext.local.loop import LocalRun, embedded_teacher
 
-    job = demo_job(run_dir, steps, seed=arm.seed).model_copy(deep=True)
-    job.algorithm.recipe = "rl" if arm.recipe == "rl" else "opd"  # type: ignore[assignment]
-    job.algorithm.lr = arm.lr
-    job.algorithm.reward_weight = arm.reward_weight
-    job.rollout.samples_per_task = arm.group
-    job.rollout.tasks_per_step = TRAJECTORIES_PER_STEP // arm.group
-    job.rollout.think_policy = arm.think  # type: ignore[assignment]
-    job.logging.wandb_mode = "disabled"
-    job.logging.keep_checkpoints = 10_000
-    tasks = make_tasks(4000, "train", seed=arm.seed)
+    job = run_job(arm, steps, run_dir, platform)
+    tasks = train_tasks(platform.harness, arm.seed)
     compute = Compute(run_dir / "compute.jsonl")
     resume = ResumeOptions(allow_changed=("algorithm.steps", "logging.save_every_steps"))
     job.logging.save_every_steps = 1  # every step (13 MB): a killed run loses none
     run = LocalRun(job, student, run_dir, resume=resume)
     if run.step >= steps:
         return
-    per_step = job.rollout.tasks_per_step * job.rollout.samples_per_task
+    per_step = platform.trajectories_per_step
 
     def account(url: str | None) -> Callable[[int, dict[str, float]], None]:
         last = [0.0, 0.0]
@@ -318,57 +430,137 @@ def train_local_run(arm: Arm, steps: int, run_dir: Path, student: Path, teacher:
             asyncio.run(run.train(tasks, url, on_step=account(url)))
 
 
-def imitation_data(arm: Arm, count: int, samples: Path, student: Path) -> list[Trajectory]:
-    """sft: worked traces; ssd: the student's own samples by `opd ssd sample` (resumed
-    from its file), ordered by task then sample, never by finishing time."""
+def imitation_data(
+    arm: Arm, count: int, samples: Path, student: Path, teacher: Path, platform: Platform
+) -> tuple[list[Trajectory], list[float]]:
+    """The trajectories an sft / ssd run trains on, in training-task order (never by
+    finishing time), and the teacher tokens each one cost to make:
+    - sft on math: worked traces (the scripts the bundled teacher was trained on; free);
+    - sft on SWE: the bundled teacher's own resolved trajectories (`teacher_traces`);
+    - ssd: the student's own samples by `opd ssd sample` (resumed from its file)."""
     from rollout.chat import ChatRenderer
     from slime_ext.local.demo_models import trace_trajectories
     from slime_ext.local.loop import tir_harness
 
-    if arm.recipe == "sft":
+    if arm.recipe == "sft" and platform.sft_traces == "worked":
         from transformers import AutoTokenizer
 
         harness = tir_harness()
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(student), harness.tools)
-        return trace_trajectories(renderer, harness, count, arm.seed)
+        return trace_trajectories(renderer, harness, count, arm.seed), [0.0] * count
+    if arm.recipe == "sft":
+        with exclusive(samples):
+            return teacher_traces(arm.seed, count, samples, teacher, platform)
     with exclusive(samples):
-        sample(arm, count, samples, student)
-    from rollout.tasks.arithmetic import make_tasks
-
-    order = {task.task_id: i for i, task in enumerate(make_tasks(count, "train", seed=arm.seed))}
-    trajectories = [t for t in read_jsonl(samples) if t.task.task_id in order]
-    return sorted(trajectories, key=lambda t: order[t.task.task_id])
+        sampling = {**SSD_SAMPLING, "temperature": arm.temperature}
+        sample(student, count, sampling, arm.seed, samples, platform)
+    trajectories = in_task_order(read_jsonl(samples), platform.harness, arm.seed, count)
+    return trajectories, [0.0] * len(trajectories)
 
 
-def sample(arm: Arm, count: int, samples: Path, student: Path) -> None:
-    """`opd ssd sample` of `count` training problems into `samples` (resumes the file)."""
-    sampling = {**SSD_SAMPLING, "temperature": arm.temperature}
+def in_task_order(
+    trajectories: Iterable[Trajectory], harness: str, seed: int, count: int
+) -> list[Trajectory]:
+    """The trajectories of the first `count` training tasks, in task order."""
+    order = {task.task_id: i for i, task in enumerate(train_tasks(harness, seed, count))}
+    kept = [t for t in trajectories if t.task.task_id in order]
+    return sorted(kept, key=lambda t: order[t.task.task_id])
+
+
+def teacher_traces(
+    seed: int, count: int, samples: Path, teacher: Path, platform: Platform
+) -> tuple[list[Trajectory], list[float]]:
+    """`count` resolved trajectories of the teacher on the training tasks, in task order,
+    and what each cost: the teacher's generated tokens of every attempt since the one
+    before it (failed attempts included). Sampled into `samples` in chunks sized by the
+    yield so far, resumed from the file (its draws depend on the chunks asked, as a
+    resumed `opd ssd sample` does: a file grown another way holds other samples)."""
+    tasks = count
+    while True:
+        sample(teacher, tasks, TEACHER_SAMPLING, seed, samples, platform)
+        attempts = in_task_order(read_jsonl(samples), platform.harness, seed, tasks)
+        resolved = [t for t in attempts if (t.reward or 0.0) > 0]
+        if len(resolved) >= count:
+            break
+        cap = MAX_TRACE_TASKS * count
+        if tasks >= cap:
+            raise RuntimeError(
+                f"{samples}: the teacher resolved {len(resolved)} of {tasks} tasks, short of "
+                f"the {count} traces wanted within {cap} tasks"
+            )
+        rate = max(len(resolved), 1) / tasks
+        tasks = min(math.ceil(1.1 * count / rate) + 1, cap)
+    kept, costs, spent = [], [], 0.0
+    for trajectory in attempts:
+        spent += sum(len(turn.span_ids) for turn in trajectory.turns)
+        if (trajectory.reward or 0.0) > 0:
+            kept.append(trajectory)
+            costs.append(spent)
+            spent = 0.0
+            if len(kept) == count:
+                break
+    return kept, costs
+
+
+def sample(
+    policy: Path,
+    count: int,
+    sampling: dict[str, float],
+    seed: int,
+    samples: Path,
+    platform: Platform,
+) -> None:
+    """`opd ssd sample` of `policy` on the first `count` training problems into `samples`
+    (resumes the file), within the platform's rollout limits."""
+    job = demo_job(Path("unused"), 1, harness=platform.harness)
+    rollout = job.rollout
+    tasks = f"mini_swe:{count}" if platform.harness == "swe" else f"arithmetic:{count}"
     command = [
         sys.executable, "-m", "launch.cli", "ssd", "sample",
-        "--policy", str(student), "--tasks", f"arithmetic:{count}",
-        "--temperature", str(sampling["temperature"]), "--top-k", str(sampling["top_k"]),
-        "--top-p", str(sampling["top_p"]), "-n", "1", "--max-turns", "4", "--max-new-tokens", "64",
-        "--max-context-tokens", "1024", "--seed", str(arm.seed), "--out", str(samples),
+        "--policy", str(policy), "--tasks", tasks, "--harness", platform.harness,
+        "--temperature", str(sampling["temperature"]), "--top-k", str(int(sampling["top_k"])),
+        "--top-p", str(sampling["top_p"]), "-n", "1",
+        "--seed", str(seed), "--out", str(samples),
     ]  # fmt: skip
+    if platform.harness == "swe":  # the SWE demo's limits (math: the demo's are the eval's)
+        command += [
+            "--max-turns", str(rollout.max_turns),
+            "--max-new-tokens", str(rollout.max_new_tokens),
+            "--max-context-tokens", str(rollout.max_context_tokens),
+            "--concurrency", str(rollout.concurrency),
+            "--trajectory-timeout-s", str(rollout.trajectory_timeout_s),
+            "--command-timeout-s", str(job.sandbox.command_timeout_s),
+        ]  # fmt: skip
+    else:
+        command += ["--max-turns", "4", "--max-new-tokens", "64", "--max-context-tokens", "1024"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"opd ssd sample failed:\n{done.stdout}\n{done.stderr}")
 
 
 def train_imitation(
-    arm: Arm, steps: int, run_dir: Path, student: Path, eval_every: int, samples: Path
+    arm: Arm,
+    steps: int,
+    run_dir: Path,
+    models: tuple[Path, Path],
+    eval_every: int,
+    samples: Path,
+    platform: Platform,
 ) -> None:
-    """sft / ssd: SFT steps of 16 trajectories (tier-1/2 turns masked unless the arm says
-    not), a checkpoint at every evaluation step. A killed run redoes its steps (seconds)."""
+    """sft / ssd: SFT steps of the platform's trajectories per step (tier-1/2 turns masked
+    unless the arm says not), a checkpoint at every evaluation step. A killed run redoes
+    its steps (seconds)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 
     if ckpt_dir(run_dir, steps).is_dir():
         return
-    data = imitation_data(arm, steps * TRAJECTORIES_PER_STEP, samples, student)
-    if len(data) != steps * TRAJECTORIES_PER_STEP:
-        raise RuntimeError(f"{samples}: {len(data)} trajectories, wanted {steps * 16}")
+    student, teacher = models
+    per_step = platform.trajectories_per_step
+    data, costs = imitation_data(arm, steps * per_step, samples, student, teacher, platform)
+    if len(data) != steps * per_step:
+        raise RuntimeError(f"{samples}: {len(data)} trajectories, wanted {steps * per_step}")
     tokenizer = AutoTokenizer.from_pretrained(student)
     model = AutoModelForCausalLM.from_pretrained(student)
     config = TrainerConfig(lr=arm.lr, grad_clip=1.0, mask_invalid_turns=arm.mask_invalid)
@@ -376,7 +568,7 @@ def train_imitation(
     compute = Compute(run_dir / "compute.jsonl")
     sampled = arm.recipe == "ssd"
     for step in range(steps):
-        batch = data[step * TRAJECTORIES_PER_STEP : (step + 1) * TRAJECTORIES_PER_STEP]
+        batch = data[step * per_step : (step + 1) * per_step]
         metrics = trainer.step(batch, "sft")
         span = sum(len(turn.span_ids) for t in batch for turn in t.turns) if sampled else 0
         compute.add(
@@ -385,7 +577,7 @@ def train_imitation(
                 "student_train": metrics["train/processed_tokens"],
                 "student_sampled": float(span),
                 "teacher_scored": 0.0,
-                "teacher_computed": 0.0,
+                "teacher_computed": sum(costs[step * per_step : (step + 1) * per_step]),
                 "reward": statistics.fmean(t.reward or 0.0 for t in batch) if sampled else 1.0,
                 "nonzero_advantage_frac": math.nan,
             },
@@ -432,19 +624,30 @@ def eval_steps(steps: int, eval_every: int) -> list[int]:
 
 
 class Bench:
-    def __init__(self, out: Path, scale: Scale, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        out: Path,
+        scale: Scale,
+        log: Callable[[str], None] = print,
+        harness: str = "tir",
+    ) -> None:
         from slime_ext.models.refs import bundled_models
 
         self.out, self.scale, self.log = out, scale, log
-        self.student, self.teacher = bundled_models()
-        self.test, self.validation = test_tasks(scale), validation_tasks(scale)
+        self.platform = PLATFORMS[harness]
+        self.student, self.teacher = bundled_models(harness)
+        self.test = test_tasks(scale, harness)
+        self.validation = validation_tasks(scale, harness)
         out.mkdir(parents=True, exist_ok=True)
         self._check_scale()
 
     def _check_scale(self) -> None:
-        """One --out holds one scale: mixing would compare runs of other lengths."""
+        """One --out holds one scale of one harness: mixing would compare runs of other
+        lengths or tasks."""
         path = self.out / "scale.json"
-        wanted = {k: v for k, v in asdict(self.scale).items() if k != "seeds"}
+        wanted: dict[str, object] = {k: v for k, v in asdict(self.scale).items() if k != "seeds"}
+        if self.platform.harness != "tir":  # math's kept scale.json predates the harness
+            wanted["harness"] = self.platform.harness
         if path.is_file():
             found = json.loads(path.read_text())
             if found != wanted:
@@ -460,9 +663,17 @@ class Bench:
         if path.is_file():
             return list(json.loads(path.read_text()))
         tasks = self.test if split == "test" else self.validation
-        scores = asyncio.run(heldout_scores(self.student, tasks))
+        scores = self.scores(self.student, tasks)
         path.write_text(json.dumps(scores))
         return scores
+
+    def scores(self, model_dir: Path, tasks: list[Task]) -> list[float]:
+        """1.0 per task `model_dir` solves greedily (`opd demo`'s scoring of the harness:
+        SWE in the demo's sandboxes and rollout limits), 0.0 per other."""
+        job = None
+        if self.platform.harness != "tir":
+            job = demo_job(self.out / "eval", 1, harness=self.platform.harness)
+        return asyncio.run(heldout_scores(model_dir, tasks, job))
 
     def run(self, arm: Arm, steps: int | None = None, curve: bool = True) -> Result:
         """The arm trained to `steps` (default --steps) and scored on the test set at every
@@ -492,13 +703,13 @@ class Bench:
         for step in sorted({*wanted, steps}):
             if step not in test_scores:
                 self.log(f"{arm.key}: scoring step {step} on {len(self.test)} test problems")
-                test_scores[step] = asyncio.run(heldout_scores(ckpt_dir(run_dir, step), self.test))
+                test_scores[step] = self.scores(ckpt_dir(run_dir, step), self.test)
         test = {step: statistics.fmean(scores) for step, scores in sorted(test_scores.items())}
         if found is not None:
             validation = found.validation
         else:
             checkpoint = ckpt_dir(run_dir, self.scale.steps)
-            validation = statistics.fmean(asyncio.run(heldout_scores(checkpoint, self.validation)))
+            validation = statistics.fmean(self.scores(checkpoint, self.validation))
         wall = (found.wall_s if found else 0.0) + time.perf_counter() - started
         result = Result(arm, steps, test, test_scores, validation, compute, wall, {})
         result.notes = {
@@ -519,11 +730,15 @@ class Bench:
         token counts. The caller holds the run's lock (`run`, `extend`)."""
         run_dir = run_dir_of(self.out, arm)
         run_dir.mkdir(parents=True, exist_ok=True)
+        models = (self.student, self.teacher)
         if arm.recipe in ("sft", "ssd"):
             samples = self.out / "ssd-samples" / f"t{arm.temperature:g}-s{arm.seed}.jsonl"
-            train_imitation(arm, steps, run_dir, self.student, self.scale.eval_every, samples)
+            if arm.recipe == "sft":  # SWE: the teacher's traces (math: worked, no file)
+                samples = self.out / "teacher-traces" / f"s{arm.seed}.jsonl"
+            every = self.scale.eval_every
+            train_imitation(arm, steps, run_dir, models, every, samples, self.platform)
         else:
-            train_local_run(arm, steps, run_dir, self.student, self.teacher)
+            train_local_run(arm, steps, run_dir, *models, self.platform)
         return Compute(run_dir / "compute.jsonl").rows(steps)
 
     def _trim(self, run_dir: Path, steps: int) -> None:
@@ -547,11 +762,12 @@ class Bench:
         """The recipe's tuning runs: its 3 lrs, and where the best of them (by validation)
         sits at the grid's edge, the next lr of LADDER beyond it (at most MAX_EDGE times):
         a best setting at the edge says the optimum may lie outside."""
-        lrs = sorted(LRS[recipe])
+        grid = self.platform.lrs[recipe]
+        lrs = sorted(grid)
         while True:
             arms = self._arms(recipe, lrs)
             results = [load_result(self.out, arm) for arm in arms]
-            if any(r is None for r in results) or len(lrs) == len(LRS[recipe]) + MAX_EDGE:
+            if any(r is None for r in results) or len(lrs) == len(grid) + MAX_EDGE:
                 return arms
             best = max((r for r in results if r), key=lambda r: (r.validation, -r.arm.lr))
             rung = LADDER.index(best.arm.lr)
@@ -632,20 +848,25 @@ class Bench:
     def ablation_blocks(self) -> list[dict[str, list[Arm]]]:
         """The ablations, in blocks: each block's first arm is the one the others are
         paired with. SSD's blocks run at its tuned lr and again at the top of its tuning
-        grid (SSD_MOVING_LR), a rate at which its training changes the student."""
+        grid (the platform's ssd_moving_lr), a rate at which its training changes the
+        student: its temperatures (where the platform has several) and tier-1/2 masking.
+        Then OPD's think kept against dropped (where the student thinks), and OPD's
+        kl_discount arms (the sampled reverse KL, the loss kl_discount needs, at 0 first)."""
+        platform = self.platform
         ssd, opd = self.tuned("ssd"), self.tuned("opd")
         seeds = range(self.scale.seeds)
         blocks = []
-        for lr in dict.fromkeys([ssd.lr, SSD_MOVING_LR]):
+        for lr in dict.fromkeys([ssd.lr, platform.ssd_moving_lr]):
             at = replace(ssd, lr=lr)
             tag = "" if lr == ssd.lr else f", lr {lr:g}"
-            temperatures = sorted(SSD_TEMPERATURES, key=lambda t: t != at.temperature)
-            blocks.append(
-                {
-                    f"ssd T={t:g}{tag}": [replace(at, temperature=t, seed=s) for s in seeds]
-                    for t in temperatures  # the report's T=1.1 first
-                }
-            )
+            if len(platform.ssd_temperatures) > 1:
+                temperatures = sorted(platform.ssd_temperatures, key=lambda t: t != at.temperature)
+                blocks.append(
+                    {
+                        f"ssd T={t:g}{tag}": [replace(at, temperature=t, seed=s) for s in seeds]
+                        for t in temperatures  # the report's T=1.1 first
+                    }
+                )
             blocks.append(
                 {
                     f"ssd, tier-1/2 masked{tag}": [replace(at, seed=s) for s in seeds],
@@ -654,12 +875,23 @@ class Bench:
                     ],
                 }
             )
-        blocks.append(
-            {
-                "opd, think dropped": [replace(opd, seed=s) for s in seeds],
-                "opd, think kept": [replace(opd, think="keep", seed=s) for s in seeds],
-            }
-        )
+        if platform.think_ablation:
+            blocks.append(
+                {
+                    "opd, think dropped": [replace(opd, seed=s) for s in seeds],
+                    "opd, think kept": [replace(opd, think="keep", seed=s) for s in seeds],
+                }
+            )
+        if platform.kl_discounts:
+            sampled = replace(opd, opd_loss="sampled")
+            blocks.append(
+                {
+                    f"opd sampled, kl_discount {gamma:g}": [
+                        replace(sampled, kl_discount=gamma, seed=s) for s in seeds
+                    ]
+                    for gamma in (0.0, *platform.kl_discounts)
+                }
+            )
         return blocks
 
     def ablate(self) -> None:
@@ -703,28 +935,51 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("part", choices=["tune", "compare", "extend", "ablate", "report", "all"])
-    parser.add_argument("--out", type=Path, default=Path("runs/baselines"))
-    parser.add_argument("--report-dir", type=Path, default=Path("docs/baselines"))
+    parser.add_argument(
+        "--harness",
+        choices=sorted(PLATFORMS),
+        default="tir",
+        help="tir: math with a python tool; swe: mini-SWE repositories in local sandboxes",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="default: runs/baselines (swe: runs/baselines-swe)"
+    )
+    parser.add_argument(
+        "--report-dir", type=Path, help="default: docs/baselines (swe: docs/baselines-swe)"
+    )
     parser.add_argument(
         "--recipes",
         help="tune (default: opd,rl,sft,ssd) and extend (default: rl,sft,ssd,opd_rl): these "
         "recipes only; two extend processes with disjoint recipes share the work",
     )
-    for name, value in asdict(Scale()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    for name in asdict(Scale()):
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            help=" / ".join(f"{h}: {getattr(p.scale, name)}" for h, p in PLATFORMS.items()),
+        )
     args = parser.parse_args()
+    suffix = "" if args.harness == "tir" else f"-{args.harness}"
+    out = args.out or Path(f"runs/baselines{suffix}")
+    report_dir = args.report_dir or Path(f"docs/baselines{suffix}")
+    defaults = PLATFORMS[args.harness].scale
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    scale = Scale(**{name: getattr(args, name) for name in asdict(Scale())})
+    scale = Scale(
+        **{
+            name: default if getattr(args, name) is None else getattr(args, name)
+            for name, default in asdict(defaults).items()
+        }
+    )
     started = time.perf_counter()
 
     def log(text: str) -> None:
         print(f"[{time.perf_counter() - started:7.0f} s] {text}", flush=True)
 
-    bench = Bench(args.out, scale, log)
+    bench = Bench(out, scale, log, args.harness)
     if args.part in ("tune", "all"):
         bench.tune(args.recipes.split(",") if args.recipes else RECIPES)
     if args.part in ("compare", "all"):
@@ -735,7 +990,7 @@ def main() -> None:
         bench.ablate()
     from baselines_report import write_report
 
-    write_report(bench, args.report_dir, log)
+    write_report(bench, report_dir, log)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ class Report:
         self.steps = bench.scale.steps
         self.lines: list[str] = []
         self.data: dict[str, Any] = {"scale": vars(bench.scale)}
+        if bench.platform.harness != "tir":
+            self.data["harness"] = bench.platform.harness
         self.missing: list[str] = []
 
     def result(self, arm: Arm) -> Result | None:
@@ -141,7 +143,8 @@ class Report:
 
     def equal_steps(self, groups: dict[str, list[Result]]) -> None:
         self.lines += [
-            f"## Equal optimizer steps ({self.steps} steps of 16 trajectories)",
+            f"## Equal optimizer steps ({self.steps} steps of "
+            f"{self.bench.platform.trajectories_per_step} trajectories)",
             "",
             "Held-out test accuracy (%), mean and 95% Student-t interval over seeds; the "
             "paired difference is against OPD at the same seed.",
@@ -300,7 +303,8 @@ class Report:
             "## Outcome RL: did it learn, and why not",
             "",
             f"Tuned RL ({tuned.setting}), test accuracy minus the untrained "
-            f"student's on the same problems, points with a 95% interval: {per_seed}. "
+            f"student's on the same {self.bench.platform.unit}, points with a 95% interval: "
+            f"{per_seed}. "
             f"{verdict} Its rollouts (T=1) earn a mean reward of "
             f"{pct(statistics.fmean(rewards))}%, so most groups of "
             f"{runs[0].arm.group} samples fail together and give no advantage: "
@@ -355,12 +359,14 @@ class Report:
 def write_report(bench: Bench, report_dir: Path, log: Callable[[str], None] = print) -> Path:
     report_dir.mkdir(parents=True, exist_ok=True)
     report = Report(bench)
-    scale = bench.scale
+    scale, platform = bench.scale, bench.platform
     report.lines += [
         "# Fair baselines: results",
         "",
         f"Written by `bench/baselines.py` from the runs in `{bench.out}`: {scale.steps} steps "
-        f"of 16 trajectories, test on {scale.n_test} held-out problems, validation on "
+        f"of {platform.trajectories_per_step} trajectories"
+        + (" on mini-SWE in local sandboxes" if platform.harness == "swe" else "")
+        + f", test on {scale.n_test} held-out {platform.unit}, validation on "
         f"{scale.n_val} others, {scale.seeds} seeds. docs/baselines.md explains the set-up.",
         "",
     ]

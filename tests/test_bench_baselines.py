@@ -9,6 +9,7 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,7 +172,7 @@ def test_extend_trains_each_baseline_on_until_it_reaches_opds_compute(
         for step in {*baselines.eval_steps(steps, SCALE.eval_every), steps}:
             baselines.ckpt_dir(run_dir, step).mkdir(parents=True, exist_ok=True)
 
-    async def accuracy(model_dir: Path, tasks: list[object]) -> list[float]:
+    async def accuracy(model_dir: Path, tasks: list[object], job: object = None) -> list[float]:
         step = int(model_dir.name.split("_")[1]) if model_dir.name.startswith("step_") else 0
         return [1.0] * step + [0.0] * (len(tasks) - step)
 
@@ -275,3 +276,127 @@ def test_ablation_blocks_pair_with_the_reports_spec_at_both_ssd_rates(bench: Ben
     monkeypatch_lr = replace(ssd, lr=baselines.SSD_MOVING_LR)
     bench.tuned = lambda recipe: monkeypatch_lr if recipe == "ssd" else Arm("opd", 1e-4)  # type: ignore[method-assign]
     assert len(bench.ablation_blocks()) == 3
+
+
+# -- the SWE platform --------------------------------------------------------------------
+
+SWE_SCALE = Scale(steps=2, eval_every=1, n_test=6, n_val=6, seeds=2)
+
+
+@pytest.fixture
+def swe_bench(tmp_path: Path) -> Bench:
+    return Bench(tmp_path / "swe", SWE_SCALE, log=lambda _: None, harness="swe")
+
+
+def test_swe_splits_are_the_demos_heldout_tasks_and_disjoint_others(swe_bench: Bench) -> None:
+    from slime_ext.local.evaluate import heldout_tasks
+
+    assert swe_bench.test == heldout_tasks(SWE_SCALE.n_test, "swe")  # what `opd demo swe` scores
+    test_prompts = {t.prompt for t in swe_bench.test}
+    assert len(swe_bench.validation) == SWE_SCALE.n_val
+    assert not test_prompts & {t.prompt for t in swe_bench.validation}
+    trained = {t.task_id for t in baselines.train_tasks("swe", 0, 200)}
+    assert not trained & {t.task_id for t in swe_bench.test + swe_bench.validation}
+
+
+def test_one_out_holds_one_harness(swe_bench: Bench) -> None:
+    with pytest.raises(SystemExit, match="use another --out"):
+        Bench(swe_bench.out, SWE_SCALE, log=lambda _: None)  # math on SWE's runs
+
+
+def test_swe_ablations_are_masking_and_kl_discount_not_temperature_or_think(
+    swe_bench: Bench,
+) -> None:
+    for recipe in baselines.RECIPES:
+        middle = sorted(baselines.SWE_LRS[recipe])[1]
+        for arm in swe_bench.grid(recipe):
+            result = fake_result(arm, 0.2, 1000.0)
+            result.validation += 0.01 * (arm.lr == middle)
+            keep(swe_bench, result)
+    opd, ssd = swe_bench.tuned("opd"), swe_bench.tuned("ssd")
+    blocks = swe_bench.ablation_blocks()
+    names = [list(block) for block in blocks]
+    assert names == [
+        ["ssd, tier-1/2 masked", "ssd, tier-1/2 trained"],
+        ["ssd, tier-1/2 masked, lr 0.0003", "ssd, tier-1/2 trained, lr 0.0003"],
+        [
+            "opd sampled, kl_discount 0",
+            "opd sampled, kl_discount 0.9",
+            "opd sampled, kl_discount 0.99",
+        ],
+    ]
+    assert blocks[0]["ssd, tier-1/2 masked"][0] == ssd
+    kl = list(blocks[2].values())
+    assert [arms[0].kl_discount for arms in kl] == [0.0, 0.9, 0.99]
+    assert all(a.lr == opd.lr and a.opd_loss == "sampled" for arms in kl for a in arms)
+    assert [a.seed for a in kl[1]] == list(range(SWE_SCALE.seeds))
+    # each arm is a job `opd train` accepts, and its key names what differs
+    job = baselines.run_job(kl[2][1], 2, swe_bench.out / "x", swe_bench.platform)
+    assert (job.algorithm.opd_loss, job.algorithm.kl_discount, job.model.seed) == (
+        "sampled",
+        0.99,
+        1,
+    )
+    assert kl[2][1].key == f"opd-lr{opd.lr:g}-sampled-kd0.99-s1"
+    rl = baselines.run_job(Arm("rl", 1e-4, group=4), 2, swe_bench.out / "y", swe_bench.platform)
+    assert (rl.rollout.tasks_per_step, rl.rollout.samples_per_task) == (2, 4)
+    assert rl.rollout.harness == "swe" and rl.logging.wandb_mode == "disabled"
+
+
+def _attempt(task: Any, span: int, resolved: bool) -> Any:
+    from rollout.trajectory import Trajectory, TrajectoryStatus, Turn
+
+    return Trajectory(
+        trajectory_id=f"{task.task_id}-0",
+        task=task,
+        trunk_ids=[1, 2, 3, 7, 8],
+        turns=[Turn(context_len=3, span_ids=[7] * span, think_len=0)],
+        status=TrajectoryStatus.COMPLETED,
+        status_reason="submitted",
+        reward=1.0 if resolved else 0.0,
+    )
+
+
+def test_teacher_traces_keep_resolved_ones_and_charge_every_attempt(
+    swe_bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SFT on SWE trains on the teacher's resolved samples in task order; each trace costs
+    the teacher's generated tokens of its attempt and of the failed ones before it; a file
+    short of traces is grown by the yield so far, resuming what is there."""
+    from rollout.trajectory import read_jsonl, write_jsonl
+
+    asked: list[int] = []
+    resolved_every = [3]
+
+    def fake_sample(policy: Path, count: int, sampling: Any, seed: int, out: Path, _: Any) -> None:
+        assert sampling == baselines.TEACHER_SAMPLING and policy == swe_bench.teacher
+        asked.append(count)
+        done = {t.task.task_id for t in read_jsonl(out)} if out.is_file() else set()
+        tasks = baselines.train_tasks("swe", seed, count)
+        every = resolved_every[0]
+        write_jsonl(
+            out,
+            [
+                _attempt(task, span=i + 1, resolved=every > 0 and i % every == every - 1)
+                for i, task in enumerate(tasks)
+                if task.task_id not in done
+            ],
+        )
+
+    monkeypatch.setattr(baselines, "sample", fake_sample)
+    path = swe_bench.out / "teacher-traces" / "s0.jsonl"
+    path.parent.mkdir(parents=True)
+    kept, costs = baselines.teacher_traces(0, 4, path, swe_bench.teacher, swe_bench.platform)
+    assert asked == [4, 19]  # 1 of 4 resolved: ceil(1.1 x 4 / (1/4)) + 1 tasks next
+    tasks = baselines.train_tasks("swe", 0, 12)
+    assert [t.task.task_id for t in kept] == [tasks[i].task_id for i in (2, 5, 8, 11)]
+    assert costs == [1 + 2 + 3, 4 + 5 + 6, 7 + 8 + 9, 10 + 11 + 12]
+    assert len(list(read_jsonl(path))) == 19  # the first 4 resumed, not sampled again
+
+    resolved_every[0] = 0  # a teacher that resolves nothing: refused, not looped
+    asked.clear()
+    with pytest.raises(RuntimeError, match="resolved 0 of 16 tasks, short of the 2 traces"):
+        baselines.teacher_traces(
+            1, 2, path.with_name("s1.jsonl"), swe_bench.teacher, swe_bench.platform
+        )
+    assert asked[0] == 2 and asked[-1] == 16 and asked == sorted(set(asked))  # grew, capped
