@@ -12,18 +12,28 @@ from slime_ext.job.config import ConfigError, JobConfig
 from teacher_server.backend import tokenizer_identity, vocab_digest
 
 LAUNCH = "opd launch"
+SBATCH = "opd launch --sbatch"
 TRAIN = "opd train"
 
 
 def command_for(job: JobConfig) -> str:
-    """The command a config is for: a cluster job (GPUs per node) or the local trainer."""
-    return LAUNCH if job.parallel.gpus_per_node > 0 else TRAIN
+    """The command a config is for: a cluster job (GPUs per node), as a Slurm batch script
+    where it runs under srun and names no node (the allocation's nodes are the job's), or
+    the local trainer."""
+    if job.parallel.gpus_per_node == 0:
+        return TRAIN
+    cluster = job.cluster
+    if cluster.executor == "srun" and cluster.head is None and not cluster.workers:
+        return SBATCH
+    return LAUNCH
 
 
 def preflight(job: JobConfig) -> tuple[str, list[str]]:
     """(the command the config is for, every problem that command refuses it for)."""
     command = command_for(job)
-    return command, launch_problems(job) if command == LAUNCH else train_problems(job)
+    if command == TRAIN:
+        return command, train_problems(job)
+    return command, launch_problems(job, place_hosts=command == LAUNCH)
 
 
 def launch_problems(job: JobConfig, place_hosts: bool = True) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
@@ -97,21 +98,27 @@ def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
     0, else `opd train`. Runs every check that command makes before it starts (the same
     functions), so a config that passes is not refused by it; exit 2 naming every
     problem and its fix."""
-    from launch.checks import preflight
+    from launch.checks import TRAIN, preflight
+    from slime_ext.job.sequence_layout import layout_warning
+    from slime_ext.job.sequence_layout import resolve as resolve_layout
 
     config = _load_or_exit(path, overrides)
     command, problems = preflight(config)
     if problems:
         raise _refuse(f"not ready for {command}: {path}", problems)
     layout = config.parallel
-    console.print(
+    line = (
         f"[green]ok for {command}[/green]: {path}: recipe {config.algorithm.recipe}, "
         f"harness {config.rollout.harness}, teacher {config.teacher.kind}, "
         f"{layout.world_size} worker(s) as TP{layout.tp} x CP{layout.cp} x PP{layout.pp} "
-        f"x DP{layout.data_parallel}",
-        highlight=False,
-        soft_wrap=True,
+        f"x DP{layout.data_parallel}"
     )
+    if command != TRAIN:
+        sequences = resolve_layout(config)
+        line += f", sequence layout {sequences.layout} ({escape(sequences.why)})"
+    console.print(line, highlight=False, soft_wrap=True)
+    if command != TRAIN and (warning := layout_warning(config)):
+        err_console.print(f"[yellow]warning[/yellow]: {escape(warning)}", soft_wrap=True)
 
 
 @config_app.command("show")
@@ -332,13 +339,33 @@ def launch(
     step fails, when a daemon the job needs ends, on Ctrl-C, and when the job ends."""
     from launch.checks import launch_problems
     from launch.executor import Executor, LaunchError
-    from launch.plan import build_plan, hosts_from_config, render_dry_run, render_sbatch
+    from launch.plan import (
+        build_plan,
+        hosts_from_config,
+        render_dry_run,
+        render_sbatch,
+        secret_names,
+    )
+    from slime_ext.job.sequence_layout import layout_warning
 
     config = _load_or_exit(path, overrides)
     # the checks `opd config validate` runs; --sbatch takes its nodes from the allocation
     problems = launch_problems(config, place_hosts=sbatch is None)
     if problems:
         raise _refuse(f"cannot launch: {path}", problems)
+    # the job's processes read the secrets by name from the environment passed on
+    unset = [name for name in secret_names(config) if not os.environ.get(name)]
+    if unset and not (dry_run or sbatch or stop or rehearse):
+        raise _refuse(
+            f"cannot launch: {path}",
+            [
+                f"{name} is unset here: export it before `opd launch` (the job's processes "
+                "read it by name from the environment the launch passes on)"
+                for name in unset
+            ],
+        )
+    if not stop and (warning := layout_warning(config)):
+        err_console.print(f"[yellow]warning[/yellow]: {escape(warning)}", soft_wrap=True)
     if rehearse:
         if dry_run or sbatch or stop or detach:
             raise _refuse(

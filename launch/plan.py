@@ -41,6 +41,8 @@ from teacher_server.api import DEFAULT_MAX_TOP_K
 from teacher_server.snapshot_sync import converter_problem, slime_converter, snapshot_steps
 
 HOOKS = "slime_ext.slime"
+BIND = "OPD_TEACHER_NODE_ADDRESS"
+"""Stands for the teacher node's address in its serve command until the host is known."""
 SANDBOX_RESOURCE = "opd_sandbox_host"
 """The Ray resource a sandbox host offers (sandbox actors ask for a fraction of it)."""
 
@@ -146,6 +148,13 @@ def check_cluster(job: JobConfig) -> None:
             )
         if teacher.node is not None and teacher.model is None:
             problems.append("teacher.model: the checkpoint `opd launch` serves on teacher.node")
+        if not teacher.api_key_env and not teacher.unauthenticated:
+            problems.append(
+                "teacher.api_key_env: a cluster teacher answers whoever reaches its port: "
+                "name the environment variable holding its API key (e.g. "
+                "OPD_TEACHER_API_KEY, exported where `opd launch` or `sbatch` runs), or set "
+                "teacher.unauthenticated: true to score without one on purpose"
+            )
     problems += _sampling_problems(job) + _sandbox_problems(job)
     if job.algorithm.reward_weight > 0:
         problems.append(
@@ -153,10 +162,141 @@ def check_cluster(job: JobConfig) -> None:
             "trains on the local trainer only (slime's loss gets the teacher's KL or the "
             "reward's advantages, not both yet): set algorithm.reward_weight: 0"
         )
-    problems += _kl_discount_problems(job)
+    problems += _layout_problems(job) + _kl_discount_problems(job)
+    problems += _gpu_problems(job) + _context_problems(job)
     problems += extra_args_problems(job)
     if problems:
         raise ConfigError("not launchable on a cluster:\n  " + "\n  ".join(problems))
+
+
+def _layout_problems(job: JobConfig) -> list[str]:
+    """The sequence layout the plan resolves (the hooks and Megatron read it from job.yaml):
+    a layout asked for that cannot train this recipe or student, reported here as well as
+    where the plan is built."""
+    try:
+        resolve_layout(job)
+    except ConfigError as err:
+        return [str(err)]
+    return []
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def ray_gpus_per_node(job: JobConfig) -> int:
+    """The GPUs Ray offers on each training node: parallel.gpus_per_node, or the last
+    `--num-gpus` of cluster.ray_start_args (appended after the plan's: it wins)."""
+    gpus = job.parallel.gpus_per_node
+    args = job.cluster.ray_start_args
+    for index, arg in enumerate(args):
+        value = None
+        if arg == "--num-gpus" and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith("--num-gpus="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit():
+            gpus = int(value)
+    return gpus
+
+
+def _gpu_problems(job: JobConfig) -> list[str]:
+    """Parallel sizes against the GPUs the job's nodes have: the teacher's SGLang TP within
+    its node, and disaggregated rollout engines beside the training GPUs."""
+    layout, teacher, problems = job.parallel, job.teacher, []
+    gpus = layout.gpus_per_node
+    serves_teacher = job.algorithm.recipe in RECIPES_WITH_TEACHER and teacher.node is not None
+    if serves_teacher and teacher.backend == "sglang" and gpus and teacher.tp > gpus:
+        problems.append(
+            f"teacher.tp {teacher.tp}: SGLang's tensor parallelism stays within the teacher's "
+            f"node, which has parallel.gpus_per_node {gpus} GPUs (the job's nodes are alike): "
+            f"set teacher.tp to one of {_divisors(gpus)}"
+        )
+    if not layout.colocate and layout.rollout_gpus is not None and gpus:
+        offered = ray_gpus_per_node(job) * layout.num_nodes
+        wanted = layout.world_size + layout.rollout_gpus
+        if offered < wanted:
+            problems.append(
+                f"parallel.colocate false: the rollout engines' {layout.rollout_gpus} GPUs "
+                f"(parallel.rollout_gpus) come on top of the {layout.world_size} training "
+                f"GPUs, {wanted} in all, but Ray offers {offered} ({layout.num_nodes} node(s) "
+                f"x {ray_gpus_per_node(job)}): on nodes with more GPUs than training uses, "
+                "add `--num-gpus <the node's GPUs>` to cluster.ray_start_args; or set "
+                "parallel.colocate: true"
+            )
+    engine = layout.rollout_gpus_per_engine or layout.tp
+    if not layout.colocate and layout.rollout_gpus and layout.rollout_gpus % engine:
+        problems.append(
+            f"parallel.rollout_gpus {layout.rollout_gpus} is not a multiple of the GPUs of "
+            f"one rollout engine ({engine}, parallel.rollout_gpus_per_engine or tp): set "
+            f"rollout_gpus to a multiple of {engine}"
+        )
+    return problems
+
+
+def context_budget(job: JobConfig) -> int:
+    """The longest sequence a turn makes: its context and its generation."""
+    return job.rollout.max_context_tokens + job.rollout.max_new_tokens
+
+
+def model_context_limit(path: str | None) -> int | None:
+    """max_position_embeddings of a HF checkpoint readable here (its text model's, for a
+    multimodal config); None where it is not readable or does not say."""
+    if not path or not Path(path, "config.json").is_file():
+        return None
+    try:
+        data = json.loads(Path(path, "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (data, data.get("text_config") or {}):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _serve_max_context(job: JobConfig) -> int | None:
+    """`--max-context N` in teacher.serve_args (the service refuses longer inputs)."""
+    args = job.teacher.serve_args
+    for index, arg in enumerate(args):
+        if arg == "--max-context" and index + 1 < len(args) and args[index + 1].isdigit():
+            return int(args[index + 1])
+        if arg.startswith("--max-context=") and arg.split("=", 1)[1].isdigit():
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+def _context_problems(job: JobConfig) -> list[str]:
+    """The context budget against the student's and the teacher's limits where they are
+    readable here (config.json's max_position_embeddings, the teacher's --max-context)."""
+    budget, problems = context_budget(job), []
+    what = (
+        f"rollout.max_context_tokens {job.rollout.max_context_tokens} + max_new_tokens "
+        f"{job.rollout.max_new_tokens} = {budget}"
+    )
+    student = model_context_limit(job.model.student)
+    if student is not None and budget > student:
+        problems.append(
+            f"{what} is above the student's max_position_embeddings {student} "
+            f"({job.model.student}/config.json): lower rollout.max_context_tokens to at most "
+            f"{max(student - job.rollout.max_new_tokens, 0)}"
+        )
+    teacher = job.teacher
+    if job.algorithm.recipe not in RECIPES_WITH_TEACHER or teacher.node is None:
+        return problems  # a service someone else runs: its /v1/info says, at launch
+    limits = [
+        (model_context_limit(teacher.model), f"max_position_embeddings ({teacher.model})"),
+        (_serve_max_context(job), "--max-context in teacher.serve_args"),
+    ]
+    for limit, source in limits:
+        if limit is not None and budget > limit:
+            problems.append(
+                f"{what} is above the teacher's {source} {limit}: the service would refuse "
+                f"the longest turns (413): lower rollout.max_context_tokens to at most "
+                f"{max(limit - job.rollout.max_new_tokens, 0)}, or serve the teacher with a "
+                "longer context"
+            )
+    return problems
 
 
 def _kl_discount_problems(job: JobConfig) -> list[str]:
@@ -171,7 +311,7 @@ def _kl_discount_problems(job: JobConfig) -> list[str]:
         try:
             layout = resolve_layout(job)
         except ConfigError:
-            return []  # the layout's own problem is reported where it is resolved
+            return []  # _layout_problems reports the layout's own problem
         if layout.layout == "packed":
             return []
         where = (
@@ -323,9 +463,12 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
     steps = []
     if hosts.teacher is not None:
         assert teacher.model is not None
+        # without a key, only the address the job's nodes use (not every interface);
+        # unquoted, as every step names its hosts ($ADDR_i expands in a batch script)
+        bind = BIND if teacher.unauthenticated else "0.0.0.0"
         serve = [
             "opd-teacher", "serve", "--backend", teacher.backend, "--model", teacher.model,
-            "--host", "0.0.0.0", "--port", str(teacher.port),
+            "--host", bind, "--port", str(teacher.port),
         ]  # fmt: skip
         if teacher.backend == "sglang":
             steps.append(
@@ -350,11 +493,18 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
         env = ""
         if teacher.api_key_env:
             env = f"env OPD_TEACHER_API_KEY=${{{teacher.api_key_env}}} "
+        note = ""
+        if teacher.unauthenticated:
+            note = (
+                f"teacher.unauthenticated: no API key; bound to {hosts.teacher} only, and "
+                f"anyone who can reach {hosts.teacher}:{teacher.port} can score with it"
+            )
         serving = Step(
             "teacher service",
             hosts.teacher,
-            env + shlex.join(serve),
+            env + shlex.join(serve).replace(BIND, hosts.teacher),
             "background",
+            note=note,
             gpus=teacher.backend == "hf",  # with sglang, SGLang holds them
         )
         steps.append(serving)
@@ -433,6 +583,16 @@ def _save_interval_note(job: JobConfig) -> str:
         f"--save-interval {interval} {lowered}so that every step the teacher snapshot sync "
         "needs is a save step"
     )
+
+
+def check_teacher_command(job: JobConfig, info_url: str) -> str:
+    """The batch script's check that the teacher at `info_url` tokenizes as the student
+    (launch/check_teacher.py; `opd launch` runs the same comparison in-process)."""
+    url = "".join("\\" + c if c in '"\\`' else c for c in info_url)  # $ADDR_i expands
+    command = ["--student", job.model.tokenizer or job.model.student]
+    if job.teacher.api_key_env:
+        command += ["--api-key-env", job.teacher.api_key_env]
+    return f'python3 -m launch.check_teacher --info-url "{url}" {shlex.join(command)}'
 
 
 def _wait(url: str, timeout_s: int = 1800) -> str:
@@ -749,6 +909,11 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         "# Secrets are read by name from the environment sbatch runs in: "
         + (", ".join(secret_names(job)) or "none"),
         "set -euo pipefail",
+        *(
+            f': "${{{name}:?{name} is unset: export it where sbatch runs (the job reads it '
+            'by name)}"'
+            for name in secret_names(job)
+        ),
         "# sbatch from an ssh login passes these on: each `bash -c` Ray starts a worker with",
         "# would then read ~/.bashrc (whose pyenv or conda could shadow this job's python3)",
         "unset SSH_CLIENT SSH2_CLIENT",
@@ -835,8 +1000,10 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         if step.kind == "wait_http":
             lines.append(f"watched {_wait(step.command)}")
             continue
-        if step.kind == "check_tokenizer":
-            lines.append(f"# `opd launch` compares {step.command}'s tokenizer with the student's")
+        if step.kind == "check_tokenizer":  # on the head, in the steps' environment
+            node, group = group_of[hosts.head]
+            check = shlex.quote(check_teacher_command(job, step.command))
+            lines.append(f'watched step {group} "" "{node}" {check}')
             continue
         node, group = group_of[step.host]
         where = f'{group} "{gpus if step.gpus and group == 0 else ""}" "{node}"'

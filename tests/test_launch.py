@@ -657,6 +657,57 @@ RECIPE_CONFIGS: dict[str, tuple[Path, list[str]]] = {
             ]
         ),
         ("opd", ['cluster.extra_train_args=["--use-rollout-logprobs"]'], None),
+        # the layout the plan resolves: refused by validate as by the plan
+        ("sft", ["algorithm.sequence_layout=packed"], "recipes sft and ssd train slime on"),
+        ("sft", ["algorithm.sequence_layout=per_turn"], None),
+        (
+            "opd",
+            [
+                "model.student=/models/Falcon-H1-7B",
+                "cluster.model_args_script=scripts/models/falcon-h1-7B.sh",
+                "algorithm.sequence_layout=packed",
+            ],
+            "Falcon-H1-7B names a recurrent or hybrid family",
+        ),
+        # the hardware: the teacher's SGLang TP within its node, disaggregated engines
+        ("opd", ["teacher.tp=16"], "teacher.tp 16: SGLang's tensor parallelism stays within"),
+        ("opsd", ["teacher.tp=8"], "set teacher.tp to one of 1, 2, 4"),
+        ("opd", ["teacher.tp=4"], None),
+        (
+            "opd",
+            ["parallel.colocate=false", "parallel.rollout_gpus=4"],
+            "the rollout engines' 4 GPUs .* 20 in all, but Ray offers 16",
+        ),
+        (
+            "opd",
+            [
+                "parallel.colocate=false",
+                "parallel.rollout_gpus=4",
+                'cluster.ray_start_args=["--num-gpus", "8"]',
+            ],
+            None,
+        ),
+        (
+            "opd",
+            [
+                "parallel.colocate=false",
+                "parallel.rollout_gpus=3",
+                "cluster.ray_start_args=[--num-gpus=8]",
+            ],
+            "rollout_gpus 3 is not a multiple of the GPUs of one rollout engine",
+        ),
+        # the context budget against the teacher's limit
+        (
+            "opd",
+            ['teacher.serve_args=["--max-context", "65536"]'],
+            "65536 \\+ max_new_tokens 12288 = 77824 is above the teacher's --max-context",
+        ),
+        ("opd", ['teacher.serve_args=["--max-context", "77824"]'], None),
+        # the teacher's key
+        ("opd", ["teacher.api_key_env=null"], "teacher.api_key_env: a cluster teacher answers"),
+        ("oprd", ["teacher.api_key_env=null"], "teacher.unauthenticated: true to score"),
+        ("opd", ["teacher.api_key_env=null", "teacher.unauthenticated=true"], None),
+        ("rl", ["teacher.api_key_env=null"], None),  # no teacher, no key
     ],
 )
 def test_validate_accepts_a_cluster_config_iff_launch_dry_run_does(
@@ -720,6 +771,184 @@ def test_sbatch_takes_its_nodes_from_the_allocation(tmp_path: Path) -> None:
     assert refused.exit_code == 2 and "--sbatch` takes the nodes" in refused.output
 
 
+def test_a_slurm_config_without_nodes_is_for_sbatch_and_validate_says_so(tmp_path: Path) -> None:
+    """executor srun with no node named: the allocation's nodes are the job's, so validate
+    checks it for `opd launch --sbatch` (which accepts it) and a plain launch refuses it,
+    naming --sbatch; over ssh the same config is refused by validate too."""
+    nodes = ["--set", "cluster.workers=[]", "--set", "cluster.head=null"]
+    srun = [str(EXAMPLE), *nodes, "--set", "cluster.executor=srun"]
+    validate = CliRunner().invoke(app, ["config", "validate", *srun])
+    assert validate.exit_code == 0, validate.output
+    assert validate.output.startswith(f"ok for opd launch --sbatch: {EXAMPLE}: recipe opd")
+    script = tmp_path / "job.sbatch"
+    assert CliRunner().invoke(app, ["launch", *srun, "--sbatch", str(script)]).exit_code == 0
+    plain = CliRunner().invoke(app, ["launch", *srun, "--dry-run"])
+    assert plain.exit_code == 2 and "--sbatch` takes the nodes" in plain.output
+    ssh = CliRunner().invoke(app, ["config", "validate", str(EXAMPLE), *nodes])
+    assert ssh.exit_code == 2 and ssh.output.startswith("not ready for opd launch:")
+
+
+def _student_dir(tmp_path: Path, max_positions: int, **config: Any) -> Path:
+    """A student directory whose config.json is readable here (a Qwen3 config)."""
+    student = tmp_path / "student"
+    student.mkdir()
+    data = {"model_type": "qwen3", "max_position_embeddings": max_positions, **config}
+    (student / "config.json").write_text(json.dumps(data))
+    return student
+
+
+def test_the_context_budget_is_checked_against_a_readable_students_limit(tmp_path: Path) -> None:
+    """A student whose config.json says 32768 positions cannot take 65536 + 12288; one
+    with 131072 can; the validate line names the layout the plan resolved and why."""
+    short = _student_dir(tmp_path, 32768)
+    sets = ["--set", f"model.student={short}", "--set", "cluster.model_args_script=x.sh"]
+    refused = CliRunner().invoke(app, ["config", "validate", str(EXAMPLE), *sets])
+    assert refused.exit_code == 2
+    assert (
+        "rollout.max_context_tokens 65536 + max_new_tokens 12288 = 77824 is above the "
+        f"student's max_position_embeddings 32768 ({short}/config.json): lower "
+        "rollout.max_context_tokens to at most 20480"
+    ) in " ".join(refused.output.split())
+    dry_run = CliRunner().invoke(app, ["launch", str(EXAMPLE), *sets, "--dry-run"])
+    assert dry_run.exit_code == 2 and "max_position_embeddings 32768" in dry_run.output
+    shutil.rmtree(short)
+    long = _student_dir(tmp_path, 131072)
+    sets[1] = f"model.student={long}"
+    ok = CliRunner().invoke(app, ["config", "validate", str(EXAMPLE), *sets])
+    assert ok.exit_code == 0, ok.output
+    assert "sequence layout packed (auto: the student is full-attention (its config.json))" in (
+        " ".join(ok.output.split())
+    )
+    assert "warning" not in ok.output
+
+
+def test_a_student_the_plan_cannot_see_is_a_warning_naming_the_setting() -> None:
+    """auto falls back to per turn for a student whose config.json is not readable here:
+    validate and launch say so as a warning (it is not a refusal) with the setting."""
+    sets = [
+        "--set", "model.student=/models/Llama-3-8B",
+        "--set", "cluster.model_args_script=scripts/models/llama3-8B.sh",
+    ]  # fmt: skip
+    for argv in (
+        ["config", "validate", str(EXAMPLE), *sets],
+        ["launch", str(EXAMPLE), *sets, "--dry-run"],
+    ):
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.split())
+        assert (
+            "warning: the sequence layout is per turn because /models/Llama-3-8B/config.json"
+            in text
+        )
+        assert "set algorithm.sequence_layout: packed" in text
+    explicit = [*sets, "--set", "algorithm.sequence_layout=packed"]
+    quiet = CliRunner().invoke(app, ["config", "validate", str(EXAMPLE), *explicit])
+    assert quiet.exit_code == 0 and "warning" not in quiet.output
+    assert "sequence layout packed (algorithm.sequence_layout packed)" in quiet.output
+
+
+def test_a_launch_refuses_an_unset_key_variable_and_the_batch_script_stops_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's secrets are read by name: `opd launch` refuses to start while one is unset
+    here, and the batch script stops at its first line when one is unset where it runs."""
+    monkeypatch.delenv("OPD_TEACHER_API_KEY", raising=False)
+    launch = CliRunner().invoke(app, ["launch", str(EXAMPLE)])
+    assert launch.exit_code == 2
+    assert "OPD_TEACHER_API_KEY is unset here: export it before `opd launch`" in launch.output
+    assert CliRunner().invoke(app, ["launch", str(EXAMPLE), "--dry-run"]).exit_code == 0
+    script = tmp_path / "job.sbatch"
+    assert CliRunner().invoke(app, ["launch", str(EXAMPLE), "--sbatch", str(script)]).exit_code == 0
+    env = {k: v for k, v in os.environ.items() if k != "OPD_TEACHER_API_KEY"}
+    env["PATH"] = str(tmp_path / "nothing")  # scontrol and srun are never reached
+    ran = subprocess.run(
+        ["/bin/bash", str(script)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert ran.returncode != 0
+    assert "OPD_TEACHER_API_KEY is unset: export it where sbatch runs" in ran.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_teacher_without_a_key_on_purpose_binds_its_nodes_address_only(tmp_path: Path) -> None:
+    sets = ["--set", "teacher.api_key_env=null", "--set", "teacher.unauthenticated=true"]
+    plan = CliRunner().invoke(app, ["launch", str(EXAMPLE), *sets, "--dry-run"])
+    assert plan.exit_code == 0, plan.output
+    text = " ".join(plan.output.split())
+    assert (
+        "opd-teacher serve --backend sglang --model /models/Qwen3.5-27B --host teacher-node" in text
+    )
+    assert "anyone who can reach teacher-node:8000 can score with it" in text
+    assert "0.0.0.0 --port 8000" not in text and "OPD_TEACHER_API_KEY" not in text
+    script = tmp_path / "job.sbatch"
+    assert (
+        CliRunner().invoke(app, ["launch", str(EXAMPLE), *sets, "--sbatch", str(script)]).exit_code
+        == 0
+    )
+    assert "--host $ADDR_4 --port 8000" in script.read_text()
+    both = CliRunner().invoke(
+        app, ["config", "validate", str(EXAMPLE), "--set", "teacher.unauthenticated=true"]
+    )
+    assert both.exit_code == 2 and "remove one of them" in both.output
+
+
+def test_the_batch_scripts_tokenizer_check_compares_the_services_tokenizer(
+    factory_dir: Path, tmp_path: Path
+) -> None:
+    """launch/check_teacher.py (the batch script's step): exit 0 when the service's
+    tokenizer is the student's, 1 naming the difference, 1 without an identity; a student
+    not readable on the node is said and passes."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from launch import check_teacher
+
+    served = {"tokenizer": local_tokenizer_identity(str(factory_dir))}
+    seen: list[str | None] = []
+
+    class Info(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps(served).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Info)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/info"
+    try:
+        os.environ["CHECK_TEACHER_KEY"] = "k1"
+        args = [
+            "--info-url",
+            url,
+            "--student",
+            str(factory_dir),
+            "--api-key-env",
+            "CHECK_TEACHER_KEY",
+        ]
+        assert check_teacher.main(args) == 0 and seen[-1] == "Bearer k1"
+        copy = tmp_path / "other"
+        shutil.copytree(factory_dir, copy)
+        data = json.loads((copy / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        token = next(iter(vocab))
+        vocab[token + "x"] = vocab.pop(token)
+        (copy / "tokenizer.json").write_text(json.dumps(data))
+        served["tokenizer"] = local_tokenizer_identity(str(copy))
+        assert check_teacher.main(args) == 1
+        served.clear()
+        assert check_teacher.main(args) == 1
+        unreadable = ["--info-url", url, "--student", str(tmp_path / "nowhere")]
+        assert check_teacher.main(unreadable) == 0
+    finally:
+        os.environ.pop("CHECK_TEACHER_KEY", None)
+        server.shutdown()
+
+
 def test_tokenizers_are_compared_by_content(factory_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(factory_dir, copy)
@@ -777,6 +1006,7 @@ def _fake_cluster(
                 "node": "127.0.0.1",
                 "port": port,
                 "url": f"http://127.0.0.1:{port}",
+                "api_key_env": "FAKE_TEACHER_KEY",
                 "serve_args": ["--host", "127.0.0.1", "--device", "cpu", "--dtype", "float32"],
             },
             "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
@@ -800,6 +1030,7 @@ def _fake_cluster(
     )
     os.environ["TRACE"] = str(trace)
     os.environ["FAIL_ON"] = fail_on
+    monkeypatch.setenv("FAKE_TEACHER_KEY", "s3cret")
     (tmp_path / "tasks.jsonl").write_text("")
     return job, trace
 

@@ -102,9 +102,17 @@ class ParallelConfig(Section):
                     "or keep tp = cp = pp = 1 for the embedded CPU trainer"
                 )
         elif self.world_size % model_parallel != 0:
+            rest = self.cp * self.pp
+            fits = [t for t in range(1, self.world_size + 1) if self.world_size % (t * rest) == 0]
+            fix = (
+                f"set tp to one of {', '.join(map(str, fits))} (with cp {self.cp}, pp {self.pp})"
+                if fits
+                else f"lower cp x pp ({rest}) to a divisor of {self.world_size}"
+            )
             raise ValueError(
                 f"tp * cp * pp = {self.tp} * {self.cp} * {self.pp} = {model_parallel} does "
-                f"not divide num_nodes * gpus_per_node = {self.world_size}"
+                f"not divide num_nodes * gpus_per_node = {self.world_size}: {fix}, or change "
+                "the node or GPU count"
             )
         if self.dp is not None and self.dp * model_parallel != self.world_size:
             raise ValueError(
@@ -241,7 +249,12 @@ class TeacherConfig(Section):
     """Base URL of a remote teacher service, e.g. http://teacher-node:8000; with `node` set,
     http://<node>:<port> when not given."""
     api_key_env: str | None = None
-    """Name of the environment variable holding the teacher service's API key."""
+    """Name of the environment variable holding the teacher service's API key. A cluster
+    job (`opd launch`) needs one, unless `unauthenticated` says otherwise on purpose."""
+    unauthenticated: bool = False
+    """Cluster: score with a teacher that has no API key, on purpose. The service `opd
+    launch` starts then binds the node's own address only (not 0.0.0.0), and anyone who
+    can reach that address and port can use it; api_key_env must be unset."""
     top_k: int = Field(default=0, ge=0)
     """Teacher top-k log-probs per span token (0: the sampled token's log-prob only)."""
     request_timeout_s: float = Field(default=120.0, gt=0.0)
@@ -317,6 +330,11 @@ class TeacherConfig(Section):
             raise ValueError(
                 "kind 'remote' needs url (the opd-teacher service's base URL) or node (the "
                 "host `opd launch` starts it on)"
+            )
+        if self.unauthenticated and self.api_key_env:
+            raise ValueError(
+                f"unauthenticated true serves the teacher without a key, but api_key_env "
+                f"names {self.api_key_env}: remove one of them"
             )
         if self.hint == "critic" and not self.critic_url:
             raise ValueError("hint 'critic' needs critic_url (an OpenAI-compatible endpoint)")

@@ -149,3 +149,19 @@ def unpackable_student(job: JobConfig) -> Reason | None:
         "Qwen3-Next student)",
         known=False,
     )
+
+
+def layout_warning(job: JobConfig) -> str | None:
+    """Where `auto` trains per turn only because it cannot see the student (its config.json
+    unreadable where the plan is made): what that costs and the setting that decides it."""
+    if job.algorithm.recipe in ("sft", "ssd") or job.algorithm.sequence_layout != "auto":
+        return None
+    reason = unpackable_student(job)
+    if reason is None or reason.known:
+        return None
+    return (
+        f"the sequence layout is per turn because {reason.text.split(' (set ')[0]}: per "
+        f"turn, {PER_TURN_COST} (about the turn count times the compute of packed). For "
+        "a full-attention or Qwen3.5 / Qwen3-Next student set algorithm.sequence_layout: "
+        "packed; for another hybrid or recurrent one, per_turn (and this warning goes)"
+    )
