@@ -40,7 +40,11 @@ def launch_problems(job: JobConfig, place_hosts: bool = True) -> list[str]:
     """Everything `opd launch` checks before it reaches a node, each problem with its fix:
     the cluster settings and slime flags, the hosts (not for --sbatch, whose nodes are
     the allocation's), and the tokenizers when both checkpoints are readable here."""
-    checks: list[Callable[[JobConfig], object]] = [check_cluster, check_local_tokenizers]
+    checks: list[Callable[[JobConfig], object]] = [
+        check_cluster,
+        check_local_tokenizers,
+        check_tasks_file,
+    ]
     if place_hosts:
         checks.insert(1, hosts_from_config)
     problems = []
@@ -93,3 +97,19 @@ def check_local_tokenizers(job: JobConfig) -> None:
     student = local_tokenizer_identity(job.model.tokenizer or job.model.student)
     teacher = local_tokenizer_identity(job.teacher.model) if job.teacher.model else None
     check_tokenizers(student, teacher)
+
+
+def check_tasks_file(job: JobConfig) -> int | None:
+    """The rows of cluster.tasks_file when it is readable here (its first rows parsed as
+    the recipe reads them); None where it is not (a path on the cluster's storage)."""
+    from launch.tasks_file import TasksFileError, check
+
+    name = job.cluster.tasks_file
+    if not name or not Path(name).is_file():
+        return None
+    try:
+        return check(Path(name), job.rollout.harness, job.algorithm.recipe)
+    except TasksFileError as err:
+        raise ConfigError(f"cluster.tasks_file: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"cluster.tasks_file {name}: {err.strerror}") from None

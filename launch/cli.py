@@ -20,6 +20,7 @@ from launch.dashboard import (
 )
 from launch.eval_cli import compare, eval_app, sweep_app
 from launch.ssd_cli import ssd_app
+from launch.tasks_cli import tasks_app
 from slime_ext.job.config import ConfigError, JobConfig, config_to_yaml, load_config
 from teacher_server.cli_help import hide_flag_types, version_option
 
@@ -55,6 +56,7 @@ factory_app = typer.Typer(help="Small local models for tests and demos.", no_arg
 app.add_typer(config_app, name="config")
 app.add_typer(factory_app, name="factory")
 app.add_typer(ssd_app, name="ssd")
+app.add_typer(tasks_app, name="tasks")
 app.add_typer(eval_app, name="eval")
 app.add_typer(sweep_app, name="sweep")
 app.command("compare")(compare)
@@ -98,7 +100,7 @@ def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
     0, else `opd train`. Runs every check that command makes before it starts (the same
     functions), so a config that passes is not refused by it; exit 2 naming every
     problem and its fix."""
-    from launch.checks import TRAIN, preflight
+    from launch.checks import TRAIN, check_tasks_file, preflight
     from slime_ext.job.sequence_layout import layout_warning
     from slime_ext.job.sequence_layout import resolve as resolve_layout
 
@@ -114,6 +116,8 @@ def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
         f"x DP{layout.data_parallel}"
     )
     if command != TRAIN:
+        if (rows := check_tasks_file(config)) is not None:
+            line += f", {rows} rows in {escape(str(config.cluster.tasks_file))}"
         sequences = resolve_layout(config)
         line += f", sequence layout {sequences.layout} ({escape(sequences.why)})"
     console.print(line, highlight=False, soft_wrap=True)
