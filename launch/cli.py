@@ -327,6 +327,14 @@ def launch(
             "directory under the system's temp dir)."
         ),
     ] = None,
+    allow_changed: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A relaunch of the run may change this setting (section.key; repeatable): "
+            "other changes stop it before anything starts. Where and how it runs (nodes, "
+            "ports, launch options) may change without it."
+        ),
+    ] = None,
     detach: Annotated[
         bool,
         typer.Option(
@@ -340,7 +348,9 @@ def launch(
     sandbox nodes, the HF -> Megatron conversion when needed, and `ray job submit` of
     slime's train.py with our hooks. Nodes are reached per cluster.executor. A launch first
     stops what an earlier launch of the same run left; it stops what it started when a
-    step fails, when a daemon the job needs ends, on Ctrl-C, and when the job ends."""
+    step fails, when a daemon the job needs ends, on Ctrl-C, and when the job ends.
+    Launched again, the same run (logging.run_dir) goes on from its newest checkpoint with
+    the same W&B run, and refuses changed settings unless --allow-changed names them."""
     from launch.checks import launch_problems
     from launch.executor import Executor, LaunchError
     from launch.plan import (
@@ -385,7 +395,7 @@ def launch(
     try:
         if sbatch is not None:
             sbatch.parent.mkdir(parents=True, exist_ok=True)
-            sbatch.write_text(render_sbatch(config, sbatch))
+            sbatch.write_text(render_sbatch(config, sbatch, allow_changed or ()))
             logs = Path(config.logging.run_dir) / "logs"
             try:  # Slurm opens the job's --output there before the script runs
                 logs.mkdir(parents=True, exist_ok=True)
@@ -397,7 +407,12 @@ def launch(
                 f"wrote {sbatch}; submit it with: sbatch {sbatch} ({where})", highlight=False
             )
             return
-        steps = build_plan(config, hosts_from_config(config), wait_for_job=not detach)
+        steps = build_plan(
+            config,
+            hosts_from_config(config),
+            wait_for_job=not detach,
+            allow_changed=allow_changed or (),
+        )
         if stop:
             reporter = Executor(config, report=lambda line: console.print(line, highlight=False))
             stopped = reporter.stop(steps)

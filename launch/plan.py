@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -414,10 +415,15 @@ def save_interval(job: JobConfig) -> int:
 
 
 def build_plan(
-    job: JobConfig, hosts: Hosts, run_dir: str | None = None, wait_for_job: bool = False
+    job: JobConfig,
+    hosts: Hosts,
+    run_dir: str | None = None,
+    wait_for_job: bool = False,
+    allow_changed: Sequence[str] = (),
 ) -> list[Step]:
     """The steps in order. wait_for_job: `ray job submit` blocks until the job ends (inside
-    a Slurm allocation, whose lifetime is the job's); otherwise it returns once submitted."""
+    a Slurm allocation, whose lifetime is the job's); otherwise it returns once submitted.
+    allow_changed: settings a relaunch of the run may change (launch/relaunch.py)."""
     check_cluster(job)
     layout = resolve_layout(job)  # the hooks read it from job.yaml: they and Megatron agree
     job = job.model_copy(
@@ -435,21 +441,64 @@ def build_plan(
     if job.algorithm.recipe in ("sft", "ssd"):
         hooks["opd_sft_data"] = cluster.tasks_file
     written = {job_yaml: config_to_yaml(job), hooks_yaml: yaml.safe_dump(hooks)}
+    relaunch = ["python3", "-m", "launch.relaunch", "--run-dir", run]
+    for key in allow_changed:
+        relaunch += ["--allow-changed", key]
     steps = [
-        Step("write job config", "local", job_yaml, "write", written[job_yaml]),
+        # beside the run's own job.yaml: a relaunch compares before it replaces it
+        Step("write job config", "local", f"{run}/job.next.yaml", "write", written[job_yaml]),
         Step("write hook config", "local", hooks_yaml, "write", written[hooks_yaml]),
+        Step(
+            "check relaunch",
+            hosts.head,
+            shlex.join(relaunch),
+            note="a run launched again goes on from its newest checkpoint with the same "
+            "W&B run; changed settings stop it here unless --allow-changed names them",
+        ),
     ]
     for host in [hosts.head, *hosts.workers]:  # nothing is copied: the nodes share them
         steps.append(Step("check shared paths", host, check_command(job, host, written)))
     steps += _teacher_steps(job, hosts, run)
     steps.append(_convert_step(job, hosts))  # before Ray holds the head's GPUs
     steps += _ray_steps(job, hosts)
+    steps.append(_prune_step(job, hosts.head, run))
     submit = _submit_command(job, hooks_yaml, run, wait_for_job)
     note = "; ".join(
         n for n in (f"sequence layout {layout.layout}: {layout.why}", _submit_note(job)) if n
     )
     steps.append(Step("submit", hosts.head, submit, note=note))
     return steps
+
+
+def _prune_step(job: JobConfig, host: str, run: str) -> Step:
+    """launch/prune_checkpoints.py beside training: slime's checkpoints in save_dir kept to
+    logging.keep_checkpoints (the newest always, and those the snapshot sync still needs)."""
+    save, keep = str(job.cluster.save_dir), job.logging.keep_checkpoints
+    command = [
+        "python3", "-m", "launch.prune_checkpoints", "--save-dir", save, "--keep", str(keep),
+    ]  # fmt: skip
+    if _syncs_snapshot(job):  # slime saves after step s as iteration s - 1
+        protect = ",".join(str(step - 1) for step in _sync_steps(job))
+        command += ["--protect", protect, "--sync-state", f"{run}/teacher_sync/state.json"]
+    return Step(
+        "prune checkpoints",
+        host,
+        shlex.join(command),
+        "background",
+        note=f"keeps the newest {keep} of slime's checkpoints in {save} (logging."
+        "keep_checkpoints); the job goes on without it",
+        needed=False,
+    )
+
+
+def wandb_run_id(job: JobConfig) -> str:
+    """The W&B run of a cluster run: the same on every launch of the same run directory and
+    project (a relaunch continues it), another for another run."""
+    import hashlib
+
+    logging = job.logging
+    digest = hashlib.sha256(f"{logging.wandb_project}\0{logging.run_dir}".encode()).hexdigest()
+    return f"{slug(logging.run_dir.name)[:40]}-{digest[:8]}"
 
 
 def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
@@ -817,6 +866,8 @@ def _submit_command(job: JobConfig, hooks_yaml: str, run: str, wait: bool) -> st
     }
     if job.logging.wandb_mode == "offline":
         env["WANDB_MODE"] = "offline"
+    if job.logging.wandb_mode != "disabled":  # slime's wandb.init takes its run from these
+        env |= {"WANDB_RUN_ID": wandb_run_id(job), "WANDB_RESUME": "allow"}
     runtime_env = shlex.quote(json.dumps({"env_vars": env}, sort_keys=True))
     return (
         f"{_in_slime(job)} && ray job submit --address http://127.0.0.1:{cluster.dashboard_port} "
@@ -855,7 +906,7 @@ def render_dry_run(steps: list[Step], log_dir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_sbatch(job: JobConfig, path: Path) -> str:
+def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ()) -> str:
     """A Slurm batch script for the whole job.
 
     The allocation: the training nodes and (teacher.node set) the teacher's node, with
@@ -882,7 +933,7 @@ def render_sbatch(job: JobConfig, path: Path) -> str:
         [f"$ADDR_{gpu_nodes + i}" for i in range(cpu_nodes)],
     )
     run = str(job.logging.run_dir)
-    steps = build_plan(job, hosts, run, wait_for_job=True)
+    steps = build_plan(job, hosts, run, wait_for_job=True, allow_changed=allow_changed)
     gpus = layout.gpus_per_node
     options = [f"#SBATCH {option}" for option in cluster.sbatch_options]
     lines = [

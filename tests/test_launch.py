@@ -1054,18 +1054,20 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
     job, trace = _fake_cluster(tmp_path, factory_dir, monkeypatch)
     steps = build_plan(job, hosts_from_config(job))
     lines: list[str] = []
+    executor = Executor(job, report=lines.append, wait_timeout_s=180)
     try:
-        Executor(job, report=lines.append, wait_timeout_s=180).run(steps)
+        executor.run(steps)
+        log = trace.read_text().splitlines()
     finally:
+        executor.stop(steps, quiet=True)  # the pruner and the teacher: by their pid files
         _stop_teacher(job.teacher.port)
-    log = trace.read_text().splitlines()
     hosts = [line.removeprefix("HOST ") for line in log if line.startswith("HOST ")]
     daemons = [s.host for s in steps if s.kind == "background"]
     assert hosts[: len(daemons)] == daemons[::-1]  # an earlier launch's leftovers, checked
     assert hosts[len(daemons) :] == [
-        "node-0", "node-1", "127.0.0.1", "node-0", "node-0", "node-0", "node-1", "cpu-0",
-        "node-0", "node-0",
-    ]  # fmt: skip
+        "node-0", "node-0", "node-1", "127.0.0.1", "node-0", "node-0", "node-0", "node-1",
+        "cpu-0", "node-0", "node-0", "node-0",
+    ]  # fmt: skip (relaunch check, paths, teacher, convert, Ray, pruner, submit)
     rays = [line for line in log if line.startswith("ray ")]
     assert rays[0].startswith("ray start --block --head --node-ip-address node-0")
     assert rays[1].startswith("ray start --block --address node-0:6379 --node-ip-address node-1")
@@ -1213,7 +1215,7 @@ def test_launch_stops_at_the_first_failing_step_and_says_so(
     )  # a teacher started by someone else: here, none is running
     steps = build_plan(job, Hosts("node-0", ["node-1"], None, ["cpu-0"]))
     # no teacher answers: the wait fails first, and nothing after it runs
-    with pytest.raises(LaunchError, match=r"step 5/\d+ 'wait teacher' on local failed"):
+    with pytest.raises(LaunchError, match=r"step 6/\d+ 'wait teacher' on local failed"):
         Executor(job, report=lambda _: None, wait_timeout_s=2).run(steps)
     # only the check for an earlier launch's daemons reached the nodes
     assert all(line.startswith("HOST ") for line in trace.read_text().splitlines())
@@ -1377,11 +1379,13 @@ def test_sandbox_hosts_are_daemons_the_job_outlives_in_both_renderers() -> None:
     job = load_config(ROOT / "launch/configs/swe-opd-cluster.yaml")
     steps = build_plan(job, hosts_from_config(job))
     hosts = [s for s in steps if s.name.startswith("sandbox host")]
-    assert len(hosts) == 2 and not any(s.needed for s in hosts)
-    assert all(s.needed for s in steps if s.kind == "background" and s not in hosts)
+    pruner = [s for s in steps if s.name == "prune checkpoints"]
+    assert len(hosts) == 2 and not any(s.needed for s in hosts + pruner)
+    assert all(s.needed for s in steps if s.kind == "background" and s not in hosts + pruner)
     script = render_sbatch(job, Path("/tmp/x.sbatch"))
     for index in range(2):
         assert re.search(rf"^beside sandbox-host-{index} ", script, flags=re.M), script
+    assert re.search(r"^beside prune-checkpoints ", script, flags=re.M), script
 
 
 @pytest.mark.timeout(120)

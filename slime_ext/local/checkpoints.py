@@ -132,7 +132,7 @@ def _link_latest(run_dir: Path, step: int) -> None:
 def open_run(run_dir: Path, job: JobConfig, options: ResumeOptions) -> Start:
     """Prepare `run_dir` for `job`: move an earlier run aside (fresh), pick the checkpoint
     to resume from, and record the settings, refusing changed ones (RunDirError)."""
-    _check_allowed_keys(job, options.allow_changed)
+    check_allowed_keys(job, options.allow_changed)
     run_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     if options.fresh and (moved := set_aside(run_dir, None)) is not None:
@@ -224,12 +224,13 @@ def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _settings(job: JobConfig) -> dict[str, Any]:
+def settings_of(job: JobConfig) -> dict[str, Any]:
+    """Every setting of a job under its dotted key."""
     return _flat(job.model_dump(mode="json"))
 
 
-def _check_allowed_keys(job: JobConfig, allowed: Sequence[str]) -> None:
-    known = _settings(job)
+def check_allowed_keys(job: JobConfig, allowed: Sequence[str]) -> None:
+    known = settings_of(job)
     unknown = [key for key in allowed if key not in known]
     if unknown:
         problems = []
@@ -242,14 +243,15 @@ def _check_allowed_keys(job: JobConfig, allowed: Sequence[str]) -> None:
         raise RunDirError("unknown settings in --allow-changed\n" + "\n".join(problems))
 
 
-def _safe_reason(key: str) -> str | None:
-    for name, reason in SAFE_CHANGES.items():
+def safe_reason(key: str, safe: Mapping[str, str] = SAFE_CHANGES) -> str | None:
+    """Why changing `key` is safe (a key or its section named in `safe`), or None."""
+    for name, reason in safe.items():
         if key == name or key.startswith(name + "."):
             return reason
     return None
 
 
-def _steps_problem(job: JobConfig, step: int) -> str | None:
+def steps_problem(job: JobConfig, step: int) -> str | None:
     """Why changing algorithm.steps changes the steps still to train, if it does."""
     if job.algorithm.steps < step:
         return f"the checkpoint is at step {step}: nothing would be left to train"
@@ -273,16 +275,16 @@ def _check_settings(run_dir: Path, job: JobConfig, step: int, allowed: Sequence[
             f"{run_dir} had recorded no settings (a run from before {CONFIG_FILE}): recorded "
             f"these in {path}"
         ]
-    before, now = _recorded_settings(path), _settings(job)
+    before, now = recorded_settings(path), settings_of(job)
     accepted, refused = [], {}
     for key in sorted(set(before) | set(now)):
         if before.get(key) == now.get(key):
             continue
         change = f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
-        problem = _steps_problem(job, step) if key == "algorithm.steps" else None
+        problem = steps_problem(job, step) if key == "algorithm.steps" else None
         if key in allowed:
             accepted.append(f"{change} (--allow-changed)")
-        elif (reason := _safe_reason(key)) is not None and problem is None:
+        elif (reason := safe_reason(key)) is not None and problem is None:
             accepted.append(f"{change} (safe: {reason})")
         else:
             refused[key] = f"  {change}" + (f" ({problem})" if problem else "")
@@ -300,11 +302,11 @@ def _check_settings(run_dir: Path, job: JobConfig, step: int, allowed: Sequence[
     return [f"resuming with a changed setting: {change}" for change in accepted]
 
 
-def _recorded_settings(path: Path) -> dict[str, Any]:
+def recorded_settings(path: Path) -> dict[str, Any]:
     """The settings in config.yaml, with the defaults of keys added since filled in."""
     data = yaml.safe_load(path.read_text())
     try:
-        return _settings(config_from_dict(data, source=str(path)))
+        return settings_of(config_from_dict(data, source=str(path)))
     except ConfigError:  # a key since removed or renamed: compare what was written
         return _flat(data)
 
