@@ -6,7 +6,13 @@ training, a no-op checkpoint converter, a MODEL_ARGS script), and the teacher's 
 The stand-in train.py writes run_dir/standin-train.json: the alive Ray nodes and their
 resources, a Ray task on a GPU node calling the teacher with the key Ray expanded from its
 node's environment (and without it), a task on the sandbox host. With run_dir/hold present
-it first writes run_dir/holding and stays "in training" up to 120 s (kill tests).
+it first writes run_dir/holding and stays "in training" up to 120 s (kill tests). With
+run_dir/checkpointing present it "trains" as slime's loop saves: from the checkpoint
+Megatron's tracker names in --load (else step 0) to --num-rollout, a checkpoint
+iter_{i:07d} (then the tracker) every --save-interval steps into --save, a line per step
+in run_dir/standin-steps.jsonl (the step, WANDB_RUN_ID, WANDB_RESUME); with
+run_dir/stop-after holding K it exits 1 after this launch's K-th checkpoint (a job that
+dies mid-run).
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ KEY_NAME = "OPD_SLURM_TEST_TEACHER_KEY"
 KEY_VALUE = "k-" + "".join(random.choice("abcdef0123456789") for _ in range(24))
 LEFTOVERS = (
     "raylet", "gcs_server", "opd-teacher", "dashboard/agent.py", "slime-standin", "ray::",
-    "multiprocessing.spawn", "sglang_router",
+    "multiprocessing.spawn", "sglang_router", "launch.prune_checkpoints",
 )  # fmt: skip
 """What a job's processes look like: Ray's, the teacher's, the stand-in train.py's, Ray's
-workers and actors, the engines slime spawns, the router."""
+workers and actors, the engines slime spawns, the router, the checkpoint pruner."""
 TRAIN_STANDIN = '''"""Stand-in for slime's train.py (tests/launch_standins.py): probes the
 cluster the plan built and writes what it saw next to the job config; trains nothing."""
 import json, os, sys, time
@@ -61,6 +67,35 @@ def on_the_sandbox_host():
 
 
 run = Path(job["logging"]["run_dir"])
+
+
+def flag(name):
+    return sys.argv[sys.argv.index(name) + 1]
+
+
+if (run / "checkpointing").exists():  # slime's loop, as far as checkpoints go
+    load, save = Path(flag("--load")), Path(flag("--save"))
+    interval, rollouts = int(flag("--save-interval")), int(flag("--num-rollout"))
+    tracker = load / "latest_checkpointed_iteration.txt"
+    start = int(tracker.read_text()) + 1 if tracker.exists() else 0
+    stop_after = run / "stop-after"
+    saved = 0
+    for step in range(start, rollouts):
+        with (run / "standin-steps.jsonl").open("a") as log:
+            log.write(json.dumps({
+                "step": step, "wandb_run_id": os.environ.get("WANDB_RUN_ID"),
+                "wandb_resume": os.environ.get("WANDB_RESUME"),
+            }) + "\\n")
+        time.sleep(0.5)
+        if (step + 1) % interval == 0:
+            (save / f"iter_{step:07d}").mkdir(parents=True, exist_ok=True)
+            (save / f"iter_{step:07d}" / "weights.pt").write_text(str(step))
+            (save / "latest_checkpointed_iteration.txt").write_text(str(step))
+            saved += 1
+            if stop_after.exists() and saved == int(stop_after.read_text()):
+                print("standin train.py: dying after checkpoint", step, flush=True)
+                sys.exit(1)
+            time.sleep(1.0)  # a pass of the pruner may run meanwhile
 hold, holding = run / "hold", run / "holding"
 if hold.exists():  # a kill test: stay "in training" until the job is stopped (at most 120 s)
     holding.write_text("")

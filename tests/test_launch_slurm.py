@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from launch.plan import render_sbatch
+from launch.plan import render_sbatch, wandb_run_id
 from slime_ext.job.config import config_from_dict
 from tests.launch_real_job import RAY_CPUS, assert_trained, merged, real_train_settings
 from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
@@ -44,9 +44,15 @@ from tests.slurm_cluster import require_slurm, slurm_cluster
 from tests.test_slime_train import Student, make_student
 
 
-def _job(directory: Path, factory_dir: Path, ray_temp: Path, real: Student | None = None) -> Any:
+def _job(
+    directory: Path,
+    factory_dir: Path,
+    ray_temp: Path,
+    real: Student | None = None,
+    changes: dict[str, Any] | None = None,
+) -> Any:
     """The stand-in job on two training nodes; with `real`, slime's train.py training that
-    student on one (tests/launch_real_job.py)."""
+    student on one (tests/launch_real_job.py); `changes`: sections merged in."""
     slime = standin_slime(directory)
     run = directory / "run"
     tasks = directory / "tasks.jsonl"
@@ -89,7 +95,7 @@ def _job(directory: Path, factory_dir: Path, ray_temp: Path, real: Student | Non
         settings = merged(settings, real_train_settings(directory / "real", real))
         node = ("$SLURMD_NODENAME", "${SLURMD_NODENAME#node}")
         settings["cluster"]["ray_start_args"] = ray_node_args(ray_temp, *node, RAY_CPUS)
-    return config_from_dict(settings)
+    return config_from_dict(merged(settings, changes or {}))
 
 
 def _job_env() -> dict[str, str]:
@@ -173,18 +179,19 @@ def _submit_variant(
     edit: Any,
     ray_wait_s: int = 180,
     real: Student | None = None,
+    changes: dict[str, Any] | None = None,
 ) -> tuple[Path, Any]:
     """The generated script with `edit` applied to its text (a plan as it was before the
     fix the test is the control of), written next to the job."""
     ray_temp = Path(tempfile.mkdtemp(prefix="opd-ray-"))
     request.addfinalizer(lambda: shutil.rmtree(ray_temp, ignore_errors=True))
-    job = _job(tmp_path, factory_dir, ray_temp, real)
+    job = _job(tmp_path, factory_dir, ray_temp, real, changes)
     job = job.model_copy(
         update={"cluster": job.cluster.model_copy(update={"ray_wait_s": ray_wait_s})}
     )
     script = tmp_path / "job.sbatch"
     script.write_text(edit(render_sbatch(job, script)))
-    (tmp_path / "run/logs").mkdir(parents=True)
+    (tmp_path / "run/logs").mkdir(parents=True, exist_ok=True)
     return script, job
 
 
@@ -276,5 +283,63 @@ def test_killing_the_teacher_mid_run_stops_the_job_and_leaves_nothing(
         log = next((tmp_path / "run/logs").glob("slurm-*.out")).read_text()
         assert "daemon teacher-service ended while the job ran" in log, log[-3000:]
         assert not (tmp_path / "run/standin-train.json").exists()
+        assert cluster.wait_queue_empty(timeout_s=30) == []
+        assert cluster.processes_left(LEFTOVERS) == []
+
+
+@pytest.mark.timeout(480)
+def test_a_relaunch_goes_on_from_the_newest_checkpoint_with_the_same_wandb_run(
+    tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """A job that dies after its second checkpoint (the stand-in train.py saving as slime's
+    loop does, tests/launch_standins.py), launched again with the same config: the batch
+    script's relaunch step accepts it, training goes on after the newest checkpoint, both
+    launches log to one W&B run, and no more than logging.keep_checkpoints checkpoints are
+    left (the pruner beside training, its last pass at each job's end). A third launch with
+    a changed setting stops at the relaunch step, naming it, before any daemon starts."""
+    require_slurm("linuxproc")
+    changes = {
+        "algorithm": {"steps": 8},
+        "logging": {"wandb_mode": "offline", "save_every_steps": 2, "keep_checkpoints": 2},
+    }
+    script, job = _submit_variant(tmp_path, factory_dir, request, lambda t: t, changes=changes)
+    run, save = tmp_path / "run", tmp_path / "save"
+    (run / "checkpointing").write_text("")
+    (run / "stop-after").write_text("2")
+    with slurm_cluster(tmp_path / "slurm", "linuxproc") as cluster:
+        assert cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=300) == "FAILED"
+        first = next(run.glob("logs/slurm-*.out")).read_text()
+        assert "a new run in" in first and "dying after checkpoint 3" in first, first[-3000:]
+        (run / "stop-after").unlink()
+        for log in run.glob("logs/slurm-*.out"):
+            log.rename(log.with_suffix(".first"))
+        again = tmp_path / "again.sbatch"
+        again.write_text(render_sbatch(job, again))
+        state = cluster.wait_job(cluster.sbatch(again, _job_env()), timeout_s=300)
+        second = next(run.glob("logs/slurm-*.out")).read_text()
+        assert state == "COMPLETED", second[-3000:]
+        assert "slime resumes from the checkpoint after step 4" in second
+        steps = [
+            json.loads(line) for line in (run / "standin-steps.jsonl").read_text().splitlines()
+        ]
+        assert [s["step"] for s in steps] == list(range(8))  # 0-3, then 4-7: none redone
+        assert {(s["wandb_run_id"], s["wandb_resume"]) for s in steps} == {
+            (wandb_run_id(job), "allow")
+        }
+        assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000005", "iter_0000007"]
+        assert cluster.wait_queue_empty(timeout_s=30) == []
+        assert cluster.processes_left(LEFTOVERS) == []
+        for log in run.glob("logs/slurm-*.out"):
+            log.rename(log.with_suffix(".second"))
+        changed = job.model_copy(
+            update={"algorithm": job.algorithm.model_copy(update={"lr": 5e-6})}
+        )
+        third = tmp_path / "changed.sbatch"
+        third.write_text(render_sbatch(changed, third))
+        assert cluster.wait_job(cluster.sbatch(third, _job_env()), timeout_s=120) == "FAILED"
+        refused = next(run.glob("logs/slurm-*.out")).read_text()
+        assert f"algorithm.lr: {job.algorithm.lr!r} -> 5e-06" in refused, refused[-3000:]
+        assert "--allow-changed algorithm.lr" in refused
+        assert len(steps) == len((run / "standin-steps.jsonl").read_text().splitlines())
         assert cluster.wait_queue_empty(timeout_s=30) == []
         assert cluster.processes_left(LEFTOVERS) == []
