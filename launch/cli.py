@@ -473,7 +473,14 @@ def dashboard_command(
     project: Annotated[str, typer.Option(help="W&B project holding the runs.")],
     kind: Annotated[DashboardKind, typer.Option(help="What to build.")] = "both",
     name: Annotated[str, typer.Option(help="Workspace name and report title.")] = DEFAULT_NAME,
-    x_axis: Annotated[str, typer.Option(help="The panels' x metric.")] = DEFAULT_X_AXIS,
+    x_axis: Annotated[
+        str,
+        typer.Option(
+            help="auto: each panel against the step its metric is logged with (train/* vs "
+            "train/step, the rest vs rollout/step, as slime defines them); or one metric "
+            "for every panel (e.g. _step)."
+        ),
+    ] = DEFAULT_X_AXIS,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Build offline and save nothing.")
     ] = False,

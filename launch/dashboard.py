@@ -33,8 +33,23 @@ if TYPE_CHECKING:
 DashboardKind: TypeAlias = Literal["workspace", "report", "both"]
 
 DEFAULT_NAME = "OPD training"
-DEFAULT_X_AXIS = "_step"
-"""W&B's own step. slime logs rollout/ metrics against rollout/step, which may suit better."""
+DEFAULT_X_AXIS = "auto"
+"""Each panel against the step its metric is logged with (`x_axis_of`); another name puts
+every panel on that metric (e.g. `_step`, W&B's own counter)."""
+STEP_METRICS = {"train/": "train/step", "eval/": "eval/step"}
+"""slime's wandb.define_metric: train/* against train/step, eval/* against eval/step, every
+other key (rollout/, perf/, multi_turn/, passrate/) against rollout/step. The local loop
+logs the same step keys (slime_ext/local/wandb_log.py), so one dashboard reads both."""
+ROLLOUT_STEP = "rollout/step"
+
+
+def x_axis_of(key: str, x_axis: str = DEFAULT_X_AXIS) -> str:
+    """The x metric of `key`'s panel: its step metric (auto), or the one asked for."""
+    if x_axis != DEFAULT_X_AXIS:
+        return x_axis
+    steps = (step for prefix, step in STEP_METRICS.items() if key.startswith(prefix))
+    return next(steps, ROLLOUT_STEP)
+
 
 ABORT_COUNTS = "rollout/abort_count/"
 """A family: one key per abort reason (rollout/abort_count/<reason>), drawn in one panel."""
@@ -109,9 +124,10 @@ def line_plot(key: str, x_axis: str = DEFAULT_X_AXIS) -> wr.LinePlot:
     """One metric against `x_axis`, or every metric of a family (key ending in "/")."""
     import wandb_workspaces.reports.v2 as wr
 
+    x = x_axis_of(key, x_axis)
     if key.endswith("/"):
-        return wr.LinePlot(title=FAMILY_TITLES[key], x=x_axis, metric_regex=family_regex(key))
-    return wr.LinePlot(title=key, x=x_axis, y=[key])
+        return wr.LinePlot(title=FAMILY_TITLES[key], x=x, metric_regex=family_regex(key))
+    return wr.LinePlot(title=key, x=x, y=[key])
 
 
 def build_workspace(
@@ -129,7 +145,7 @@ def build_workspace(
         project=project,
         name=name,
         sections=sections,
-        settings=ws.WorkspaceSettings(x_axis=x_axis),
+        settings=ws.WorkspaceSettings(x_axis=x_axis_of("", x_axis)),
     )
 
 
@@ -206,6 +222,17 @@ def require_api_key() -> None:
         )
 
 
+def panel_lines(x_axis: str = DEFAULT_X_AXIS) -> list[str]:
+    """Each section's panels: the metric (or family) and its x axis."""
+    lines = []
+    for section, keys in SECTIONS.items():
+        lines.append(f"  {section}:")
+        for key in keys:
+            shown = f"{key}* ({FAMILY_TITLES[key]})" if key.endswith("/") else key
+            lines.append(f"    {shown}  vs {x_axis_of(key, x_axis)}")
+    return lines
+
+
 def summary(obj: Dashboard) -> str:
     """Its sections and panel counts, one line each."""
     import wandb_workspaces.reports.v2 as wr
@@ -255,6 +282,8 @@ def dashboard(
     if kind in ("report", "both"):
         built["report"] = build_report(entity, project, name, x_axis=x_axis)
     lines = [summary(obj) for obj in built.values()]
+    if dry_run:
+        lines += ["panels (metric vs x axis):", *panel_lines(x_axis)]
     if out is not None:
         payload = {label: to_json(obj) for label, obj in built.items()}
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from launch.dashboard import (
     dashboard,
     family_regex,
     publish,
+    x_axis_of,
 )
 from rollout.chat import ChatRenderer
 from rollout.harness.tir import TIRHarness
@@ -65,16 +66,47 @@ def no_wandb_api(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wandb, "Api", refuse)
 
 
-def _plotted(panel: Any, x_axis: str = "_step") -> str:
-    """The metric key a line plot draws against `x_axis` (a family's prefix for a regex)."""
+def _plotted(panel: Any, x_axis: str | None = None) -> str:
+    """The metric key a line plot draws (a family's prefix for a regex), checked against
+    `x_axis`, or by default against the step slime logs that metric with."""
     assert isinstance(panel, wr.LinePlot)
-    assert panel.x == x_axis
     if panel.metric_regex is not None:
         assert panel.y == []
         families = [key for key in FAMILY_TITLES if panel.metric_regex == family_regex(key)]
-        return families[0] if families else "?"
-    [key] = panel.y
+        key = families[0] if families else "?"
+    else:
+        [key] = panel.y
+    slimes = "train/step" if str(key).startswith("train/") else "rollout/step"
+    assert panel.x == (x_axis or slimes), (key, panel.x)
     return str(key)
+
+
+def test_each_panel_is_drawn_against_the_step_slime_logs_its_metric_with() -> None:
+    """slime defines train/* against train/step and rollout/, perf/ against rollout/step
+    (its wandb_utils); W&B's _step counts every log call of any rank, so it is no axis for
+    a cluster run. The local loop logs the same step keys."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("slime")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("slime is not installed (make slime)")
+    package = Path(next(iter(spec.submodule_search_locations)))
+    source = (package / "observability/wandb_utils.py").read_text()
+    for prefix, step in [
+        ("train/*", "train/step"),
+        ("rollout/*", "rollout/step"),
+        ("perf/*", "rollout/step"),
+    ]:
+        assert f'wandb.define_metric("{prefix}", step_metric="{step}")' in source
+    assert x_axis_of("train/loss") == "train/step" and x_axis_of("perf/step_time") == "rollout/step"
+    assert x_axis_of("train/loss", "_step") == "_step"
+    workspace = build_workspace(ENTITY, PROJECT)
+    assert workspace.settings.x_axis == "rollout/step"
+    panels = [panel for section in workspace.sections for panel in section.panels]
+    assert {panel.x for panel in panels} == {"train/step", "rollout/step"}
+    listed = dashboard(ENTITY, PROJECT, "workspace", dry_run=True)  # what --dry-run prints
+    assert "    train/loss  vs train/step" in listed.splitlines()
+    assert f"    {ABORT_COUNTS}* (rollout/abort_count by reason)  vs rollout/step" in listed
 
 
 def test_workspace_has_every_section_and_panel_with_its_metric_key() -> None:

@@ -34,7 +34,10 @@ class WandbLogger:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:
-            self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+            logged = {k: v for k, v in metrics.items() if k != "step"}
+            # slime's step keys (launch/dashboard.py STEP_METRICS): one dashboard for both
+            logged |= {"rollout/step": step, "train/step": step}
+            self.run.log(logged, step=step)
 
     def finish(self) -> None:
         if self.run is not None:
