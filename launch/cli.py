@@ -21,7 +21,13 @@ from launch.dashboard import (
 from launch.eval_cli import compare, eval_app, sweep_app
 from launch.ssd_cli import ssd_app
 from launch.tasks_cli import tasks_app
-from slime_ext.job.config import ConfigError, JobConfig, config_to_yaml, load_config
+from slime_ext.job.config import (
+    ConfigError,
+    JobConfig,
+    config_to_explained_yaml,
+    config_to_yaml,
+    load_config,
+)
 from teacher_server.cli_help import hide_flag_types, version_option
 
 
@@ -131,10 +137,16 @@ def config_show(
         Path | None, typer.Argument(help="A config file; omit for the embedded default.")
     ] = None,
     overrides: Overrides = None,
+    explain: Annotated[
+        bool,
+        typer.Option("--explain", help="Each key under its explanation, as YAML comments."),
+    ] = False,
 ) -> None:
-    """Print the full config with every default filled in."""
+    """Print the full config with every default filled in (valid YAML: save it as a
+    starting point)."""
     config = JobConfig() if path is None else _load_or_exit(path, overrides)
-    console.print(config_to_yaml(config), highlight=False, markup=False)
+    text = config_to_explained_yaml(config) if explain else config_to_yaml(config)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 @factory_app.command("list")

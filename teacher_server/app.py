@@ -87,7 +87,12 @@ def create_app(
         # read per request: the sglang backend learns its context length in start()
         return max_body_bytes or default_max_body_bytes(backend.info())
 
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=body_limit)
+    app.add_middleware(
+        RequestGuard,
+        api_key=api_key,
+        max_body_bytes=body_limit,
+        count_error=metrics.count_error,
+    )
     if request_log:  # outermost: the guard's refusals are logged too
         app.add_middleware(RequestLog)
 

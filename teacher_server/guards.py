@@ -39,11 +39,17 @@ class RequestGuard:
     whole, as one message."""
 
     def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: Callable[[], int]
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: Callable[[], int],
+        count_error: Callable[[int], None] = lambda status: None,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.count_error = count_error  # each refusal's status: errors_total counts them
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,11 +62,13 @@ class RequestGuard:
                 status_code=401,
                 headers={"WWW-Authenticate": "Bearer"},
             )
+            self.count_error(401)
             await refusal(scope, receive, send)
             return
         limit = self.max_body_bytes()
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            self.count_error(413)
             await _too_large(declared, limit)(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -72,6 +80,7 @@ class RequestGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
+                self.count_error(413)
                 await _too_large(f"over {limit}", limit)(scope, receive, send)
                 return
             chunks.append(chunk)

@@ -31,6 +31,11 @@ class ServerMetrics:
             self.tokens_computed_total += computed
             self.cached_tokens_total += cached
 
+    def count_error(self, status: int) -> None:
+        """A request refused before it reached a route (the guard's 401 and 413)."""
+        with self._lock:
+            self.errors_total[status] = self.errors_total.get(status, 0) + 1
+
     def observe_request(self, items: int, latency_s: float, status: int) -> None:
         with self._lock:
             self.requests_total += 1

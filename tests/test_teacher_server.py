@@ -412,6 +412,9 @@ def test_api_key_is_required_when_configured(full_dir: Path) -> None:
             _score(teacher.url, [item], api_key="wrong")
         assert len(_score(teacher.url, [item], api_key="s3cret")[0].logprobs) == 2
         assert httpx.get(f"{teacher.url}/health").status_code == 200
+        # the refusals are counted where an operator looks for them
+        metrics = httpx.get(f"{teacher.url}/metrics").text
+        assert 'opd_teacher_errors_total{code="401"} 2' in metrics.splitlines(), metrics
 
 
 def test_client_raises_typed_errors(full_teacher: Teacher) -> None:

@@ -38,7 +38,10 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # each setting's docstring is its description (`opd config show --explain`)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class ModelConfig(Section):
@@ -701,6 +704,34 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
 
 def config_to_yaml(config: JobConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def config_to_explained_yaml(config: JobConfig, width: int = 88) -> str:
+    """The config as `config_to_yaml` writes it, each key under its explanation (the
+    setting's docstring) as comments: valid YAML that loads to the same config."""
+    import textwrap
+
+    data = config.model_dump(mode="json")
+    lines: list[str] = []
+    for name, field in type(config).model_fields.items():
+        section = getattr(config, name)
+        if not isinstance(section, Section):  # a top-level value (none today)
+            lines += yaml.safe_dump({name: data[name]}, sort_keys=False).splitlines()
+            continue
+        if lines:
+            lines.append("")
+        if field.description:
+            lines += textwrap.wrap(
+                field.description, width, initial_indent="# ", subsequent_indent="# "
+            )
+        lines.append(f"{name}:")
+        for key, info in type(section).model_fields.items():
+            text = " ".join((info.description or "").split())
+            if text:
+                lines += textwrap.wrap(text, width, initial_indent="  # ", subsequent_indent="  # ")
+            dumped = yaml.safe_dump({key: data[name][key]}, sort_keys=False)
+            lines += ["  " + line for line in dumped.splitlines()]
+    return "\n".join(lines) + "\n"
 
 
 def _describe(error: Any) -> str:
