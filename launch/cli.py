@@ -265,9 +265,11 @@ def train(
         ),
     ] = None,
 ) -> None:
-    """Run a job config on this machine (recipes opd, opsd, oprd, rl, sft on the TIR harness).
-    Checkpoints go to run_dir/checkpoints/step_<N>/ (the newest logging.keep_checkpoints are
-    kept; run_dir/checkpoint links to the newest) and the resolved config to
+    """Run a job config on this machine: recipes opd, opsd, oprd, rl and sft, on the TIR
+    harness (math with a python tool) or the SWE one (rollout.harness swe: mini-SWE or your
+    SWE rows in local, Docker or E2B sandboxes; launch/configs/swe-local.yaml).
+    Checkpoints go to run_dir/checkpoints/step_<N>/ (the newest logging.keep_checkpoints
+    are kept; run_dir/checkpoint links to the newest) and the resolved config to
     run_dir/config.yaml. Run again, it resumes from the newest checkpoint; it refuses to
     resume with settings that change what is trained, naming them (--fresh, another
     logging.run_dir or --allow-changed KEY). Prints a line per step (loss, reverse KL or
