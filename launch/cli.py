@@ -109,6 +109,7 @@ def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
     from launch.checks import TRAIN, check_tasks_file, preflight
     from slime_ext.job.sequence_layout import layout_warning
     from slime_ext.job.sequence_layout import resolve as resolve_layout
+    from slime_ext.local.preflight import local_job_warnings
 
     config = _load_or_exit(path, overrides)
     command, problems = preflight(config)
@@ -127,7 +128,8 @@ def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
         sequences = resolve_layout(config)
         line += f", sequence layout {sequences.layout} ({escape(sequences.why)})"
     console.print(line, highlight=False, soft_wrap=True)
-    if command != TRAIN and (warning := layout_warning(config)):
+    warnings = [layout_warning(config)] if command != TRAIN else local_job_warnings(config)
+    for warning in filter(None, warnings):
         err_console.print(f"[yellow]warning[/yellow]: {escape(warning)}", soft_wrap=True)
 
 

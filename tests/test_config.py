@@ -384,3 +384,38 @@ def test_the_self_distillation_examples_write_only_what_differs_from_the_opd_run
         job = load_config(ROOT_CONFIGS / name)
         assert job.teacher.model == job.model.student == "/models/Qwen3.5-35B-A3B"
         assert job.parallel.tp * job.parallel.cp * job.parallel.dp == 16
+
+
+def test_sandboxes_that_could_outgrow_this_machine_are_a_warning_naming_the_fix() -> None:
+    """The local trainer's SWE sandboxes run here: their memory caps times how many run
+    at once against this machine's memory, said (a cap is not a reservation), with the
+    concurrency that fits; none for TIR or for E2B's sandboxes, which run elsewhere."""
+    from slime_ext.local.preflight import local_job_warnings, sandbox_memory_problem
+
+    swe = {"rollout": {"harness": "swe", "concurrency": 8}, "sandbox": {"memory_mb": 2048}}
+    job = config_from_dict(swe)
+    assert sandbox_memory_problem(job, 16384) is None  # 8 x 2 GB fit 16 GB
+    problem = sandbox_memory_problem(job, 8192)
+    assert problem is not None and "= 16384 MB, more than this machine's 8192 MB" in problem
+    assert "set rollout.concurrency to at most 4" in problem
+    capped = config_from_dict({**swe, "sandbox": {"memory_mb": 2048, "max_sandboxes": 2}})
+    assert sandbox_memory_problem(capped, 8192) is None  # 2 at once, whatever the concurrency
+    e2b = config_from_dict({**swe, "sandbox": {"memory_mb": 2048, "backend": "e2b"}})
+    assert sandbox_memory_problem(e2b, 1024) is None
+    assert sandbox_memory_problem(config_from_dict({}), 1) is None  # TIR: no sandboxes
+    huge = {
+        "rollout": {"harness": "swe", "concurrency": 64},
+        "sandbox": {"max_sandboxes": 64, "memory_mb": 2**20},
+    }
+    assert local_job_warnings(config_from_dict(huge))  # 64 TB: more than any machine here
+    path = Path(__file__).resolve().parents[1] / "launch/configs/swe-local.yaml"
+    sets = [
+        "--set",
+        "rollout.concurrency=64",
+        "--set",
+        "sandbox.max_sandboxes=64",
+        "--set",
+        f"sandbox.memory_mb={2**20}",
+    ]
+    result = runner.invoke(app, ["config", "validate", str(path), *sets])
+    assert result.exit_code == 0 and "warning: sandbox.memory_mb 1048576 x 64" in result.output
