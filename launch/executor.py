@@ -32,8 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from launch.checks import check_tokenizers, local_tokenizer_identity
-from launch.plan import Step, slug
+from launch.check_teacher import check as check_teacher
+from launch.plan import Step, context_budget, slug
 from slime_ext.job.config import ConfigError, JobConfig
 
 Report = Callable[[str], None]
@@ -278,17 +278,13 @@ class Executor:
         raise LaunchError(f"{url} did not answer 200 within {self.wait_timeout_s:.0f} s ({last})")
 
     def _check_tokenizer(self, info_url: str) -> None:
-        student = local_tokenizer_identity(self.job.model.tokenizer or self.job.model.student)
-        if student is None:
-            self.report("    the student's tokenizer is not readable here: not compared")
-            return
+        """The running service against the job: its tokenizer is the student's, and it
+        accepts the job's longest turn (launch/check_teacher.py, as the batch script)."""
+        student = self.job.model.tokenizer or self.job.model.student
+        key = self._auth().get("Authorization", "").removeprefix("Bearer ") or None
         try:
-            teacher = httpx.get(info_url, headers=self._auth(), timeout=30.0).json()["tokenizer"]
-        except (httpx.HTTPError, KeyError, ValueError) as err:
-            raise LaunchError(f"no tokenizer identity from {info_url}: {err}") from None
-        try:
-            check_tokenizers(student, teacher)
-        except ConfigError as err:
+            self.report("    " + check_teacher(info_url, student, key, context_budget(self.job)))
+        except (RuntimeError, ConfigError) as err:
             raise LaunchError(str(err)) from None
 
     def _auth(self) -> dict[str, str]:

@@ -639,6 +639,7 @@ def check_teacher_command(job: JobConfig, info_url: str) -> str:
     (launch/check_teacher.py; `opd launch` runs the same comparison in-process)."""
     url = "".join("\\" + c if c in '"\\`' else c for c in info_url)  # $ADDR_i expands
     command = ["--student", job.model.tokenizer or job.model.student]
+    command += ["--context-budget", str(context_budget(job))]
     if job.teacher.api_key_env:
         command += ["--api-key-env", job.teacher.api_key_env]
     return f'python3 -m launch.check_teacher --info-url "{url}" {shlex.join(command)}'

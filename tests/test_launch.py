@@ -902,7 +902,10 @@ def test_the_batch_scripts_tokenizer_check_compares_the_services_tokenizer(
 
     from launch import check_teacher
 
-    served = {"tokenizer": local_tokenizer_identity(str(factory_dir))}
+    served: dict[str, Any] = {
+        "tokenizer": local_tokenizer_identity(str(factory_dir)),
+        "max_context": 4096,
+    }
     seen: list[str | None] = []
 
     class Info(BaseHTTPRequestHandler):
@@ -931,6 +934,8 @@ def test_the_batch_scripts_tokenizer_check_compares_the_services_tokenizer(
             "CHECK_TEACHER_KEY",
         ]
         assert check_teacher.main(args) == 0 and seen[-1] == "Bearer k1"
+        assert check_teacher.main([*args, "--context-budget", "4096"]) == 0
+        assert check_teacher.main([*args, "--context-budget", "4097"]) == 1  # 413s ahead
         copy = tmp_path / "other"
         shutil.copytree(factory_dir, copy)
         data = json.loads((copy / "tokenizer.json").read_text())
@@ -940,10 +945,10 @@ def test_the_batch_scripts_tokenizer_check_compares_the_services_tokenizer(
         (copy / "tokenizer.json").write_text(json.dumps(data))
         served["tokenizer"] = local_tokenizer_identity(str(copy))
         assert check_teacher.main(args) == 1
-        served.clear()
-        assert check_teacher.main(args) == 1
         unreadable = ["--info-url", url, "--student", str(tmp_path / "nowhere")]
         assert check_teacher.main(unreadable) == 0
+        served.clear()
+        assert check_teacher.main(args) == 1
     finally:
         os.environ.pop("CHECK_TEACHER_KEY", None)
         server.shutdown()
