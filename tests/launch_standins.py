@@ -123,6 +123,18 @@ if os.environ.get("RANK", "0") == "0":
 '''
 
 
+def standin_tasks(path: Path) -> Path:
+    """A tasks file of two math rows as `opd tasks write` makes them (the stand-in train.py
+    reads none; validate and the launch read its first rows)."""
+    import json
+
+    from launch.tasks_file import task_row
+    from rollout.tasks.arithmetic import make_tasks
+
+    path.write_text("".join(json.dumps(task_row(t)) + "\n" for t in make_tasks(2, "train")))
+    return path
+
+
 def standin_slime(directory: Path) -> Path:
     """A checkout of slime whose programs are stand-ins (the cluster.slime_dir)."""
     slime = directory / "slime-standin"

@@ -43,6 +43,7 @@ from slime_ext.job.config import ConfigError, config_from_dict, load_config, rea
 from slime_ext.job.slime_flags import given_flags
 from teacher_server.cli import app as teacher_cli
 from tests import megatron_converter_standin as converter_standin
+from tests.launch_standins import standin_tasks
 from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1036,7 +1037,7 @@ def _fake_cluster(
     os.environ["TRACE"] = str(trace)
     os.environ["FAIL_ON"] = fail_on
     monkeypatch.setenv("FAKE_TEACHER_KEY", "s3cret")
-    (tmp_path / "tasks.jsonl").write_text("")
+    standin_tasks(tmp_path / "tasks.jsonl")
     return job, trace
 
 
@@ -1070,8 +1071,18 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
     daemons = [s.host for s in steps if s.kind == "background"]
     assert hosts[: len(daemons)] == daemons[::-1]  # an earlier launch's leftovers, checked
     assert hosts[len(daemons) :] == [
-        "node-0", "node-0", "node-1", "127.0.0.1", "node-0", "node-0", "node-0", "node-1",
-        "cpu-0", "node-0", "node-0", "node-0",
+        "node-0",
+        "node-0",
+        "node-1",
+        "127.0.0.1",
+        "node-0",
+        "node-0",
+        "node-0",
+        "node-1",
+        "cpu-0",
+        "node-0",
+        "node-0",
+        "node-0",
     ]  # fmt: skip (relaunch check, paths, teacher, convert, Ray, pruner, submit)
     rays = [line for line in log if line.startswith("ray ")]
     assert rays[0].startswith("ray start --block --head --node-ip-address node-0")

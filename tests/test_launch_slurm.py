@@ -38,7 +38,14 @@ import pytest
 from launch.plan import render_sbatch, wandb_run_id
 from slime_ext.job.config import config_from_dict
 from tests.launch_real_job import RAY_CPUS, assert_trained, merged, real_train_settings
-from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
+from tests.launch_standins import (
+    KEY_NAME,
+    KEY_VALUE,
+    LEFTOVERS,
+    ray_node_args,
+    standin_slime,
+    standin_tasks,
+)
 from tests.live_server import free_port
 from tests.slurm_cluster import require_slurm, slurm_cluster
 from tests.test_slime_train import Student, make_student
@@ -56,7 +63,7 @@ def _job(
     slime = standin_slime(directory)
     run = directory / "run"
     tasks = directory / "tasks.jsonl"
-    tasks.write_text("")
+    standin_tasks(tasks)
     settings = {
         "model": {"student": str(factory_dir)},
         "parallel": {"num_nodes": 2, "gpus_per_node": 4, "max_tokens_per_gpu": 8192},

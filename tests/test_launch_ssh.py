@@ -36,7 +36,14 @@ import yaml
 
 from slime_ext.job.config import config_from_dict, config_to_yaml
 from tests.launch_real_job import RAY_CPUS, assert_trained, merged, real_train_settings
-from tests.launch_standins import KEY_NAME, KEY_VALUE, LEFTOVERS, ray_node_args, standin_slime
+from tests.launch_standins import (
+    KEY_NAME,
+    KEY_VALUE,
+    LEFTOVERS,
+    ray_node_args,
+    standin_slime,
+    standin_tasks,
+)
 from tests.live_server import free_port
 from tests.ssh_nodes import SshNodes, require_ssh, ssh_nodes
 from tests.test_slime_train import Student, make_student
@@ -51,7 +58,7 @@ def _settings(directory: Path, factory_dir: Path, nodes: SshNodes, ray_temp: Pat
     """The stand-in job's config on two training nodes."""
     head, worker, teacher, sandbox = nodes.addresses
     tasks = directory / "tasks.jsonl"
-    tasks.write_text("")
+    standin_tasks(tasks)
     sent = [KEY_NAME] + (["RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"] if RAY_TOKEN.exists() else [])
     venv = Path(sys.executable).parent
     # a node's login shell knows nothing of this venv: the user's equivalent of activating
