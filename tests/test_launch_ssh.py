@@ -167,18 +167,26 @@ def test_the_ssh_launch_follows_the_job_survives_a_killed_teacher_and_leaves_not
             assert not (run / "standin-train.json").exists()
             assert _left(nodes) == []
 
-            # 2. relaunched on the same nodes and ports, no cleanup, with slime's real
+            # 2. on the same nodes and ports, no cleanup, another run (its own run
+            # directory: the same one would refuse its other settings) with slime's real
             # train.py: the whole job, followed to its end
             real = _real(settings, tmp_path / "real", student, ray_temp)
+            real = real.model_copy(
+                update={
+                    "logging": real.logging.model_copy(update={"run_dir": tmp_path / "run-real"})
+                }
+            )
             config.write_text(config_to_yaml(real))
             launch = _launch(config)
             output, _ = launch.communicate(timeout=420)
             assert launch.returncode == 0, output[-6000:]
             assert "the job ended" in output, output[-4000:]
+            run = tmp_path / "run-real"
+            assert "a new run in" in (run / "logs/check-relaunch.log").read_text()
             assert_trained(run / "logs/submit.log", tmp_path / "real")
             teacher_url = yaml.safe_load((run / "job.yaml").read_text())["teacher"]["url"]
             assert teacher_url.startswith(f"http://{nodes.addresses[2]}:"), teacher_url
-            for path in run.rglob("*"):
+            for path in [*run.rglob("*"), *(tmp_path / "run").rglob("*")]:
                 if path.is_file():
                     assert KEY_VALUE not in path.read_text(errors="replace"), path
             assert _left(nodes) == []
