@@ -24,9 +24,12 @@ from launch.tasks_cli import tasks_app
 from slime_ext.job.config import (
     ConfigError,
     JobConfig,
+    apply_overrides,
     config_to_explained_yaml,
     config_to_yaml,
+    config_without_refused_keys,
     load_config,
+    read_config_data,
 )
 from teacher_server.cli_help import hide_flag_types, version_option
 
@@ -74,14 +77,41 @@ Overrides = Annotated[
 ]
 
 
-def _load_or_exit(path: Path, overrides: list[str] | None) -> JobConfig:
+def _load_or_exit(path: Path, overrides: list[str] | None, checked: bool = False) -> JobConfig:
+    """The validated config, or exit 2 naming every problem; `checked`: also the problems
+    the command's own checks find in the rest of the config (its refused keys left at
+    their defaults), so that one pass lists what a user must fix."""
     try:
         return load_config(path, overrides)
     except ConfigError as err:
         err_console.print(
             f"[red]invalid config[/red] {escape(str(err))}", highlight=False, soft_wrap=True
         )
+        if checked:
+            _more_problems(path, overrides)
         raise typer.Exit(code=2) from None
+
+
+def _more_problems(path: Path, overrides: list[str] | None) -> None:
+    from launch.checks import preflight
+
+    try:
+        data = apply_overrides(read_config_data(path), overrides or [])
+    except ConfigError:
+        return
+    found = config_without_refused_keys(data)
+    if found is None:
+        return
+    config, left_out = found
+    command, problems = preflight(config)
+    if problems:
+        err_console.print(
+            f"and what {command} refuses in the rest of it (checked with "
+            f"{', '.join(left_out)} at their defaults):",
+            highlight=False,
+            soft_wrap=True,
+        )
+        err_console.print("\n".join(problems), highlight=False, markup=False, soft_wrap=True)
 
 
 def _exit(header: str, lines: list[str], code: int) -> typer.Exit:
@@ -111,7 +141,7 @@ def config_validate(path: ConfigPath, overrides: Overrides = None) -> None:
     from slime_ext.job.sequence_layout import resolve as resolve_layout
     from slime_ext.local.preflight import local_job_warnings
 
-    config = _load_or_exit(path, overrides)
+    config = _load_or_exit(path, overrides, checked=True)
     command, problems = preflight(config)
     if problems:
         raise _refuse(f"not ready for {command}: {path}", problems)
@@ -378,7 +408,7 @@ def launch(
     )
     from slime_ext.job.sequence_layout import layout_warning
 
-    config = _load_or_exit(path, overrides)
+    config = _load_or_exit(path, overrides, checked=True)
     # the checks `opd config validate` runs; --sbatch takes its nodes from the allocation
     problems = launch_problems(config, place_hosts=sbatch is None)
     if problems:

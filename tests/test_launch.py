@@ -772,6 +772,31 @@ def test_sbatch_takes_its_nodes_from_the_allocation(tmp_path: Path) -> None:
     assert refused.exit_code == 2 and "--sbatch` takes the nodes" in refused.output
 
 
+def test_one_pass_lists_the_configs_problems_and_the_launchs_beside_them() -> None:
+    """A config with invalid values and problems only the launch checks see: validate and
+    launch name both at once (the invalid keys left at their defaults for the second), so
+    fixing the first set does not reveal a second; a refusal of a whole section stops at
+    the first set (no key to leave out)."""
+    sets = [
+        "--set", "rollout.max_turns=0", "--set", "teacher.api_key_env=null",
+        "--set", "rollout.top_k=5",
+    ]  # fmt: skip
+    for argv in (
+        ["config", "validate", str(EXAMPLE), *sets],
+        ["launch", str(EXAMPLE), *sets, "--dry-run"],
+    ):
+        result = CliRunner().invoke(app, argv)
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2
+        assert "rollout.max_turns: Input should be greater than or equal to 1 (got 0)" in text
+        assert "checked with rollout.max_turns at their defaults" in text
+        assert "teacher.api_key_env: a cluster teacher answers" in text
+        assert "rollout.top_k 5: slime keeps no top-k token sets" in text
+    whole = CliRunner().invoke(app, ["config", "validate", str(EXAMPLE), "--set", "parallel.tp=3"])
+    assert whole.exit_code == 2 and "does not divide" in whole.output
+    assert "refuses in the rest of it" not in whole.output
+
+
 def test_a_slurm_config_without_nodes_is_for_sbatch_and_validate_says_so(tmp_path: Path) -> None:
     """executor srun with no node named: the allocation's nodes are the job's, so validate
     checks it for `opd launch --sbatch` (which accepts it) and a plain launch refuses it,

@@ -702,6 +702,26 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
         raise ConfigError(f"{source}: {len(problems)} problem(s)\n" + "\n".join(problems)) from None
 
 
+def config_without_refused_keys(data: dict[str, Any]) -> tuple[JobConfig, list[str]] | None:
+    """The config with each key validation refuses left at its default, and those keys
+    (section.key), so that the checks after validation can run in the same pass; None
+    when a refusal is about a whole section or the whole config (no key to leave out)."""
+    data = _deep_copy(data)
+    dropped: list[str] = []
+    for _ in range(20):
+        try:
+            return JobConfig.model_validate(data), dropped
+        except ValidationError as err:
+            for error in err.errors():
+                loc = [str(part) for part in error["loc"]]
+                section = data.get(loc[0]) if loc else None
+                if len(loc) < 2 or not isinstance(section, dict) or loc[1] not in section:
+                    return None
+                del section[loc[1]]
+                dropped.append(f"{loc[0]}.{loc[1]}")
+    return None
+
+
 def config_to_yaml(config: JobConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
