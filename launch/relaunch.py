@@ -29,10 +29,8 @@ from slime_ext.local.checkpoints import (
     SAFE_CHANGES,
     RunDirError,
     check_allowed_keys,
+    compare_settings,
     recorded_settings,
-    safe_reason,
-    settings_of,
-    steps_problem,
 )
 
 JOB = "job.yaml"
@@ -70,20 +68,9 @@ def check(run_dir: Path, allowed: Sequence[str] = ()) -> list[str]:
 
 
 def _compare(path: Path, job: JobConfig, allowed: Sequence[str]) -> list[str]:
-    before, now = recorded_settings(path), settings_of(job)
     step = _resumed_step(job) or 0
-    accepted, refused = [], {}
-    for key in sorted(set(before) | set(now)):
-        if before.get(key) == now.get(key):
-            continue
-        change = f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
-        problem = steps_problem(job, step) if key == "algorithm.steps" else None
-        if key in allowed:
-            accepted.append(f"{change} (--allow-changed)")
-        elif (reason := safe_reason(key, CLUSTER_SAFE_CHANGES)) is not None and problem is None:
-            accepted.append(f"{change} (safe: {reason})")
-        else:
-            refused[key] = f"  {change}" + (f" ({problem})" if problem else "")
+    before = recorded_settings(path)
+    accepted, refused = compare_settings(before, job, step, allowed, CLUSTER_SAFE_CHANGES)
     if refused:
         flags = " ".join(f"--allow-changed {key}" for key in refused)
         raise RunDirError(

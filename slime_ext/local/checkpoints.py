@@ -265,6 +265,32 @@ def steps_problem(job: JobConfig, step: int) -> str | None:
     return None
 
 
+def compare_settings(
+    before: Mapping[str, Any],
+    job: JobConfig,
+    step: int,
+    allowed: Sequence[str],
+    safe: Mapping[str, str] = SAFE_CHANGES,
+) -> tuple[list[str], dict[str, str]]:
+    """The changes from `before` (settings by dotted key) to `job`'s: those accepted (named
+    in `allowed`, or safe by `safe` and, for algorithm.steps, `steps_problem`), and those
+    refused, by key, each a line saying what changed (and why it is not safe)."""
+    now = settings_of(job)
+    accepted, refused = [], {}
+    for key in sorted(set(before) | set(now)):
+        if before.get(key) == now.get(key):
+            continue
+        change = f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
+        problem = steps_problem(job, step) if key == "algorithm.steps" else None
+        if key in allowed:
+            accepted.append(f"{change} (--allow-changed)")
+        elif (reason := safe_reason(key, safe)) is not None and problem is None:
+            accepted.append(f"{change} (safe: {reason})")
+        else:
+            refused[key] = f"  {change}" + (f" ({problem})" if problem else "")
+    return accepted, refused
+
+
 def _check_settings(run_dir: Path, job: JobConfig, step: int, allowed: Sequence[str]) -> list[str]:
     """Compare `job` with the run's recorded settings: refuse what changed unless it is safe
     or allowed; record the new settings with a note per change; the notes to print."""
@@ -275,19 +301,7 @@ def _check_settings(run_dir: Path, job: JobConfig, step: int, allowed: Sequence[
             f"{run_dir} had recorded no settings (a run from before {CONFIG_FILE}): recorded "
             f"these in {path}"
         ]
-    before, now = recorded_settings(path), settings_of(job)
-    accepted, refused = [], {}
-    for key in sorted(set(before) | set(now)):
-        if before.get(key) == now.get(key):
-            continue
-        change = f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
-        problem = steps_problem(job, step) if key == "algorithm.steps" else None
-        if key in allowed:
-            accepted.append(f"{change} (--allow-changed)")
-        elif (reason := safe_reason(key)) is not None and problem is None:
-            accepted.append(f"{change} (safe: {reason})")
-        else:
-            refused[key] = f"  {change}" + (f" ({problem})" if problem else "")
+    accepted, refused = compare_settings(recorded_settings(path), job, step, allowed)
     if refused:
         flags = " ".join(f"--allow-changed {key}" for key in refused)
         raise RunDirError(
