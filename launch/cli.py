@@ -103,6 +103,8 @@ def _more_problems(path: Path, overrides: list[str] | None) -> None:
     if found is None:
         return
     config, left_out = found
+    if "parallel.gpus_per_node" in left_out:
+        return  # its default (0) would check the config for another command (opd train)
     command, problems = preflight(config)
     if problems:
         err_console.print(

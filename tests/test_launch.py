@@ -795,6 +795,10 @@ def test_one_pass_lists_the_configs_problems_and_the_launchs_beside_them() -> No
     whole = CliRunner().invoke(app, ["config", "validate", str(EXAMPLE), "--set", "parallel.tp=3"])
     assert whole.exit_code == 2 and "does not divide" in whole.output
     assert "refuses in the rest of it" not in whole.output
+    # without its GPU count the config would be checked for another command: not at all
+    gpus = ["--set", "parallel.gpus_per_node=eight", "--set", "teacher.api_key_env=null"]
+    other = CliRunner().invoke(app, ["config", "validate", str(EXAMPLE), *gpus])
+    assert other.exit_code == 2 and "refuses in the rest of it" not in other.output
 
 
 def test_a_slurm_config_without_nodes_is_for_sbatch_and_validate_says_so(tmp_path: Path) -> None:
