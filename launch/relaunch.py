@@ -5,7 +5,8 @@ config beside the run's own:
     python3 -m launch.relaunch --run-dir RUN [--allow-changed KEY ...]
 
 RUN/job.yaml is the config the run was launched with, RUN/job.next.yaml the one this
-launch brings. Nothing recorded: a first launch (the new config becomes RUN/job.yaml).
+launch brings. Nothing recorded: a first launch (the new config becomes RUN/job.yaml),
+refused when cluster.save_dir already holds checkpoints (slime would resume another run's).
 Recorded: the settings are compared as `opd train` compares a resumed run's, and a
 change is accepted when it is about where and how the job runs (nodes, ports, the
 launch's own options), when `--allow-changed` names it, or refused, naming each change
@@ -61,6 +62,13 @@ def check(run_dir: Path, allowed: Sequence[str] = ()) -> list[str]:
     notes = []
     if path.is_file():
         notes += _compare(path, job, allowed)
+    elif (step := _resumed_step(job)) is not None:
+        raise RunDirError(
+            f"cannot start a new run in {run_dir}: cluster.save_dir {job.cluster.save_dir} "
+            f"holds checkpoints (the newest after step {step}) of a run this directory did "
+            "not record, and slime would resume from them (--load). Give the new run its "
+            "own cluster.save_dir, or launch it with the run's own logging.run_dir"
+        )
     else:
         notes.append(f"a new run in {run_dir}")
     os.replace(next_path, path)

@@ -127,6 +127,16 @@ def test_a_relaunch_goes_on_with_changes_to_where_it_runs_and_stops_on_others(
         relaunch.check(run, ["algorithm.lrr"])
 
 
+def test_a_new_run_never_resumes_another_runs_checkpoints(tmp_path: Path) -> None:
+    """A run directory with no recorded config, but a save_dir holding checkpoints (another
+    run's, or this one's with its run directory lost): slime would resume from them."""
+    run = _launch(tmp_path / "run")
+    _save_dir(run / "save", [1], tracker="1")
+    with pytest.raises(RunDirError, match=r"checkpoints \(the newest after step 2\) of a run"):
+        relaunch.check(run)
+    assert not (run / relaunch.JOB).exists()
+
+
 def test_the_relaunch_step_exits_2_naming_the_change(tmp_path: Path) -> None:
     run = _launch(tmp_path / "run")
     assert relaunch.main(["--run-dir", str(run)]) == 0
