@@ -81,8 +81,10 @@ def components(rehearsal: Rehearsal, outcome: Outcome) -> list[Component]:
 
 def _component_of(step: Step, rehearsal: Rehearsal) -> str:
     name = step.name
-    if name.startswith("write"):
+    if name.startswith("write") or name == "check relaunch":
         return "run directory"
+    if name == "prune checkpoints":
+        return "checkpoint pruning"
     if name.startswith("check shared paths"):
         return "shared paths"
     if "teacher" in name or name.startswith("snapshot"):
