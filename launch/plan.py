@@ -279,8 +279,7 @@ def _context_problems(job: JobConfig) -> list[str]:
     if student is not None and budget > student:
         problems.append(
             f"{what} is above the student's max_position_embeddings {student} "
-            f"({job.model.student}/config.json): lower rollout.max_context_tokens to at most "
-            f"{max(student - job.rollout.max_new_tokens, 0)}"
+            f"({job.model.student}/config.json): {_fit(job, student)}"
         )
     teacher = job.teacher
     if job.algorithm.recipe not in RECIPES_WITH_TEACHER or teacher.node is None:
@@ -293,11 +292,21 @@ def _context_problems(job: JobConfig) -> list[str]:
         if limit is not None and budget > limit:
             problems.append(
                 f"{what} is above the teacher's {source} {limit}: the service would refuse "
-                f"the longest turns (413): lower rollout.max_context_tokens to at most "
-                f"{max(limit - job.rollout.max_new_tokens, 0)}, or serve the teacher with a "
+                f"the longest turns (413): {_fit(job, limit)}, or serve the teacher with a "
                 "longer context"
             )
     return problems
+
+
+def _fit(job: JobConfig, limit: int) -> str:
+    """The setting that brings the context budget within `limit`."""
+    room = limit - job.rollout.max_new_tokens
+    if room >= 16:  # rollout.max_context_tokens' own minimum
+        return f"lower rollout.max_context_tokens to at most {room}"
+    return (
+        f"lower rollout.max_new_tokens (now {job.rollout.max_new_tokens}) and "
+        f"max_context_tokens so that their sum is at most {limit}"
+    )
 
 
 def _kl_discount_problems(job: JobConfig) -> list[str]:

@@ -29,6 +29,8 @@ def _job(student: str, script: str = "scripts/models/qwen3-8B.sh", **algorithm: 
     base: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     base["model"]["student"] = student
     base["cluster"]["model_args_script"] = script
+    # the tiny stand-ins of a real student have 8192 positions: a budget that fits them
+    base["rollout"].update({"max_context_tokens": 6144, "max_new_tokens": 2048})
     base.setdefault("algorithm", {}).update(algorithm)
     return config_from_dict(base)
 
