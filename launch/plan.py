@@ -36,6 +36,7 @@ from slime_ext.job.slime_flags import (
     SAMPLED_ON_SLIME,
     TOP_P_BELOW_ONE,
     extra_args_problems,
+    given_flags,
     router_policy_args,
 )
 from teacher_server.api import DEFAULT_MAX_TOP_K
@@ -185,20 +186,17 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _int_flag(args: Sequence[str], flag: str) -> int | None:
+    """The last value of `flag` in `args` (`--flag N` or `--flag=N`), when it is a count."""
+    value = given_flags(args).get(flag)
+    return int(value) if value is not None and value.isdigit() else None
+
+
 def ray_gpus_per_node(job: JobConfig) -> int:
     """The GPUs Ray offers on each training node: parallel.gpus_per_node, or the last
     `--num-gpus` of cluster.ray_start_args (appended after the plan's: it wins)."""
-    gpus = job.parallel.gpus_per_node
-    args = job.cluster.ray_start_args
-    for index, arg in enumerate(args):
-        value = None
-        if arg == "--num-gpus" and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith("--num-gpus="):
-            value = arg.split("=", 1)[1]
-        if value is not None and value.isdigit():
-            gpus = int(value)
-    return gpus
+    given = _int_flag(job.cluster.ray_start_args, "--num-gpus")
+    return job.parallel.gpus_per_node if given is None else given
 
 
 def _gpu_problems(job: JobConfig) -> list[str]:
@@ -214,14 +212,15 @@ def _gpu_problems(job: JobConfig) -> list[str]:
             f"set teacher.tp to one of {_divisors(gpus)}"
         )
     if not layout.colocate and layout.rollout_gpus is not None and gpus:
-        offered = ray_gpus_per_node(job) * layout.num_nodes
+        per_node = ray_gpus_per_node(job)
+        offered = per_node * layout.num_nodes
         wanted = layout.world_size + layout.rollout_gpus
         if offered < wanted:
             problems.append(
                 f"parallel.colocate false: the rollout engines' {layout.rollout_gpus} GPUs "
                 f"(parallel.rollout_gpus) come on top of the {layout.world_size} training "
                 f"GPUs, {wanted} in all, but Ray offers {offered} ({layout.num_nodes} node(s) "
-                f"x {ray_gpus_per_node(job)}): on nodes with more GPUs than training uses, "
+                f"x {per_node}): on nodes with more GPUs than training uses, "
                 "add `--num-gpus <the node's GPUs>` to cluster.ray_start_args; or set "
                 "parallel.colocate: true"
             )
@@ -256,17 +255,6 @@ def model_context_limit(path: str | None) -> int | None:
     return None
 
 
-def _serve_max_context(job: JobConfig) -> int | None:
-    """`--max-context N` in teacher.serve_args (the service refuses longer inputs)."""
-    args = job.teacher.serve_args
-    for index, arg in enumerate(args):
-        if arg == "--max-context" and index + 1 < len(args) and args[index + 1].isdigit():
-            return int(args[index + 1])
-        if arg.startswith("--max-context=") and arg.split("=", 1)[1].isdigit():
-            return int(arg.split("=", 1)[1])
-    return None
-
-
 def _context_problems(job: JobConfig) -> list[str]:
     """The context budget against the student's and the teacher's limits where they are
     readable here (config.json's max_position_embeddings, the teacher's --max-context)."""
@@ -286,7 +274,7 @@ def _context_problems(job: JobConfig) -> list[str]:
         return problems  # a service someone else runs: its /v1/info says, at launch
     limits = [
         (model_context_limit(teacher.model), f"max_position_embeddings ({teacher.model})"),
-        (_serve_max_context(job), "--max-context in teacher.serve_args"),
+        (_int_flag(teacher.serve_args, "--max-context"), "--max-context in teacher.serve_args"),
     ]
     for limit, source in limits:
         if limit is not None and budget > limit:
