@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from launch.tasks_file import TasksFileError, check, load_tasks, write_tasks_file
+from rollout.evaluation.datasets import named
 
 console = Console()
 err_console = Console(stderr=True)
@@ -62,8 +63,7 @@ def write(
     seen: dict[str, str] = {}
     try:
         for spec in sources:
-            name, sep, rest = spec.partition("=")
-            source = rest if sep and name and "/" not in name else spec
+            _, source = named(spec)  # `opd eval`'s `name=source`
             for task in load_tasks(source, harness, seed, kind):
                 if task.task_id in seen:
                     raise TasksFileError(
