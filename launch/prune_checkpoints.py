@@ -27,13 +27,15 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from teacher_server.snapshot_sync import TRACKER
+
 ITERATION = re.compile(r"^iter_(\d{7})$")
 PRUNING = ".pruning-"
 
 
 def complete_iteration(save_dir: Path) -> int | None:
-    """The tracker's iteration (None: no tracker yet, or a 'release' checkpoint)."""
+    """The tracker's iteration (None: no tracker yet, or a 'release' checkpoint; where
+    snapshot_sync.saved_iteration refuses that, the pruner and the relaunch go on)."""
     try:
         text = (save_dir / TRACKER).read_text().strip()
     except OSError:
