@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 ROUTING_HEADER = "X-SMG-Routing-Key"
@@ -32,6 +40,31 @@ Temperature = Annotated[
 ]
 
 
+MAX_UNKNOWN_KEYS = 3
+"""A body object with more unknown keys than this is one error, not one per key."""
+
+
+class RequestBody(BaseModel):
+    """A request body, validated with a cost linear in its size and a bounded error list:
+    a list stops at its first bad element (fail_fast), and an object with more than
+    MAX_UNKNOWN_KEYS unknown keys is one error naming a few of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields) + MAX_UNKNOWN_KEYS:
+            unknown = [key for key in data if key not in cls.model_fields]
+            if len(unknown) > MAX_UNKNOWN_KEYS:
+                shown = ", ".join(repr(str(key)[:40]) for key in unknown[:MAX_UNKNOWN_KEYS])
+                raise ValueError(
+                    f"{len(unknown)} unknown fields ({shown}, ...); accepted: "
+                    f"{', '.join(cls.model_fields)}"
+                )
+        return data
+
+
 def routing_key(session_id: str) -> str:
     """The `X-SMG-Routing-Key` value of a session: the id itself when it is printable ASCII
     of at most MAX_ROUTING_KEY_LEN characters (httpx sends header values as ASCII), else
@@ -42,12 +75,10 @@ def routing_key(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()
 
 
-class ScoreItem(BaseModel):
+class ScoreItem(RequestBody):
     """Score input_ids[span_start:] given everything before each token."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    input_ids: list[TokenId] = Field(min_length=2)
+    input_ids: list[TokenId] = Field(min_length=2, fail_fast=True)
     """Context then span, as token ids of the teacher's tokenizer."""
     span_start: StrictInt = Field(ge=1)
     """Index of the first scored token; the span runs to the end of input_ids."""
@@ -59,10 +90,8 @@ class ScoreItem(BaseModel):
     """Log-probs are of softmax(logits / temperature), temperature in [0.01, 100]."""
 
 
-class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    requests: list[ScoreItem] = Field(min_length=1)
+class ScoreRequest(RequestBody):
+    requests: list[ScoreItem] = Field(min_length=1, fail_fast=True)
 
 
 class ScoreResult(BaseModel):
@@ -78,26 +107,22 @@ class ScoreResponse(BaseModel):
     results: list[ScoreResult]
 
 
-class TrajectoryTurn(BaseModel):
+class TrajectoryTurn(RequestBody):
     """One turn of a whole trajectory: its context is trunk_ids[:context_len] followed by
     context_suffix_ids (the part a later context rewrote), then the span to score."""
 
-    model_config = ConfigDict(extra="forbid")
-
     context_len: StrictInt = Field(ge=0)
-    context_suffix_ids: list[TokenId] = Field(default_factory=list)
-    span_ids: list[TokenId] = Field(min_length=1)
+    context_suffix_ids: list[TokenId] = Field(default_factory=list, fail_fast=True)
+    span_ids: list[TokenId] = Field(min_length=1, fail_fast=True)
 
 
-class TrajectoryScoreRequest(BaseModel):
+class TrajectoryScoreRequest(RequestBody):
     """Score every turn's span of one trajectory in a single tree-packed forward (each
     token computed once; hf backend, full-attention models)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    trunk_ids: list[TokenId] = Field(min_length=1)
+    trunk_ids: list[TokenId] = Field(min_length=1, fail_fast=True)
     """The latest context of the trajectory (system, task, actions, observations)."""
-    turns: list[TrajectoryTurn] = Field(min_length=1)
+    turns: list[TrajectoryTurn] = Field(min_length=1, fail_fast=True)
     top_k: StrictInt = Field(default=0, ge=0)
     temperature: Temperature = 1.0
 
@@ -107,10 +132,8 @@ class TrajectoryScoreResponse(BaseModel):
     """One per turn, in order; logprobs[i] is of span_ids[i] given the turn's context."""
 
 
-class ReloadRequest(BaseModel):
+class ReloadRequest(RequestBody):
     """Replace the served weights (a self-teacher refreshed from the student)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model_dir: StrictStr = Field(min_length=1)
     """A checkpoint directory readable by the server, with the same tokenizer."""
@@ -140,8 +163,12 @@ class ServerInfo(BaseModel):
     max_top_k: int
     max_batch_size: int
     max_request_tokens: int | None = None
-    """The most ids (all items' input_ids together) one /v1/score request may carry; more
-    is refused with 413. None: no bound but the body size."""
+    """The most tokens one request may cost (backend.request_tokens: every input id once,
+    every scored position top_k more times, for its top-k row in the answer); more is
+    refused with 413. None: no bound but the body size."""
+    max_inflight_tokens: int | None = None
+    """The most tokens the requests being served at once may cost together; a request that
+    would pass it waits outside (503 with Retry-After). None: not bounded by the server."""
 
 
 class Health(BaseModel):

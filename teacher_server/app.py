@@ -32,10 +32,10 @@ from teacher_server.backend import (
     RequestTooLarge,
     ScoringBackend,
 )
+from teacher_server.body_route import RETRY_AFTER_S, TokenBudget, json_body_route
 from teacher_server.guards import RequestGuard, RequestLog, default_max_body_bytes
 from teacher_server.metrics import ServerMetrics
 
-RETRY_AFTER_S = 1
 BEARER = Depends(HTTPBearer(auto_error=False))
 """Declares the bearer scheme in /openapi.json; RequestGuard checks the key, before the
 body is read (a route dependency would run after FastAPI read and parsed it)."""
@@ -47,10 +47,10 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         401: "Missing or wrong API key",
         403: "Not allowed on this server (reload needs a server with an API key)",
         413: "Body over the server's --max-body-mb, more items than its queue holds, or "
-        "more ids than --max-request-tokens",
+        "costing more tokens than --max-request-tokens (or --max-inflight-tokens)",
         422: "Malformed request body, or a value out of its range",
         500: "The backend failed",
-        503: "Queue full; retry after the Retry-After header",
+        503: "Queue or in-flight token budget full; retry after the Retry-After header",
     }
     return {code: {"model": ErrorBody, "description": meaning[code]} for code in codes}
 
@@ -61,10 +61,13 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int | None = None,
     request_log: bool = False,
+    max_inflight_tokens: int | None = None,
 ) -> FastAPI:
     """`max_body_bytes`: larger bodies are answered 413 unread; None derives it from the
     backend's limits (guards.default_max_body_bytes). `request_log`: one line per request
-    on the `opd-teacher.requests` logger (guards.RequestLog)."""
+    on the `opd-teacher.requests` logger (guards.RequestLog). `max_inflight_tokens`: the
+    tokens (backend.request_tokens) of the requests served at once (body_route); None:
+    body_route.INFLIGHT_REQUESTS x the backend's max_request_tokens."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -87,6 +90,9 @@ def create_app(
         # read per request: the sglang backend learns its context length in start()
         return max_body_bytes or default_max_body_bytes(backend.info())
 
+    budget = TokenBudget(backend.info, max_inflight_tokens)
+    body_route = json_body_route(budget, metrics.count_error)
+
     app.add_middleware(
         RequestGuard,
         api_key=api_key,
@@ -99,17 +105,23 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         problems = []
-        for error in err.errors():
+        for error in err.errors()[:5]:  # path and query parameters: bodies are body_route's
             where = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
-            problems.append(f"{where}: {error['msg']}")
+            problems.append(f"{where}: {error['msg']}"[:300])
         return JSONResponse({"detail": "; ".join(problems)}, status_code=422)
 
-    @app.post(
-        "/v1/score",
-        response_model=ScoreResponse,
-        dependencies=[BEARER],
-        responses=_errors(400, 401, 413, 422, 500, 503),
-    )
+    def post(path: str, endpoint: Any, response_model: Any, *codes: int) -> None:
+        """A POST route with a JSON body (body_route.JSONBodyRoute)."""
+        app.router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            response_model=response_model,
+            dependencies=[BEARER],
+            responses=_errors(*codes),
+            route_class_override=body_route,
+        )
+
     async def score(request: ScoreRequest) -> Any:
         started = time.perf_counter()
         status = 200
@@ -133,12 +145,6 @@ def create_app(
         finally:
             metrics.observe_request(len(request.requests), time.perf_counter() - started, status)
 
-    @app.post(
-        "/v1/score_trajectory",
-        response_model=TrajectoryScoreResponse,
-        dependencies=[BEARER],
-        responses=_errors(400, 401, 413, 422, 500),
-    )
     async def score_trajectory(request: TrajectoryScoreRequest) -> Any:
         started = time.perf_counter()
         status = 200
@@ -155,12 +161,6 @@ def create_app(
         finally:
             metrics.observe_request(len(request.turns), time.perf_counter() - started, status)
 
-    @app.post(
-        "/v1/reload",
-        response_model=ReloadResult,
-        dependencies=[BEARER],
-        responses=_errors(400, 401, 403, 413, 422, 500),
-    )
     async def reload(request: ReloadRequest) -> Any:
         """Swap the served weights (a self-teacher refreshed from the student). Only on a
         server started with an API key: whoever can reload chooses what the teacher says."""
@@ -175,6 +175,20 @@ def create_app(
             return JSONResponse({"detail": str(err)}, status_code=400)
         except BackendFailure as err:
             return JSONResponse({"detail": str(err)}, status_code=500)
+
+    post("/v1/score", score, ScoreResponse, 400, 401, 413, 422, 500, 503)
+    post(
+        "/v1/score_trajectory",
+        score_trajectory,
+        TrajectoryScoreResponse,
+        400,
+        401,
+        413,
+        422,
+        500,
+        503,
+    )
+    post("/v1/reload", reload, ReloadResult, 400, 401, 403, 413, 422, 500, 503)
 
     @app.delete(
         "/v1/sessions/{session_id:path}",  # session ids may hold '/'
@@ -192,7 +206,7 @@ def create_app(
         responses=_errors(401),
     )
     async def info() -> ServerInfo:
-        return backend.info()
+        return backend.info().model_copy(update={"max_inflight_tokens": budget.limit()})
 
     @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
     async def docs() -> str:

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from teacher_server.api import (
     ReloadResult,
     ScoreItem,
+    ScoreRequest,
     ScoreResult,
     ServerInfo,
     TrajectoryScoreRequest,
@@ -29,7 +30,7 @@ class TooManyItems(RequestTooLarge):
 
 
 class TooManyTokens(RequestTooLarge):
-    """More ids in one request (all items together) than the server accepts in one."""
+    """A request that costs more tokens (request_tokens) than the server accepts in one."""
 
 
 class Overloaded(RuntimeError):
@@ -81,15 +82,39 @@ def admit(pending: int, count: int, max_queue: int) -> None:
         raise Overloaded(f"{pending} items queued (bound {max_queue}); retry later")
 
 
-def check_items(items: list[ScoreItem], info: ServerInfo) -> None:
-    """The limits every backend enforces, before anything is queued."""
-    total = sum(len(item.input_ids) for item in items)
+def item_tokens(item: ScoreItem) -> int:
+    """What one item costs the server: its ids once, and each scored position top_k more
+    times (the top-k ids and log-probs it answers with)."""
+    return len(item.input_ids) + (len(item.input_ids) - item.span_start) * item.top_k
+
+
+def request_tokens(body: object) -> int:
+    """The cost of a request body in tokens (item_tokens summed; a trajectory: its trunk,
+    suffixes and spans once and each span position top_k more times); 0 for bodies that
+    neither carry nor answer ids."""
+    if isinstance(body, ScoreRequest):
+        return sum(item_tokens(item) for item in body.requests)
+    if isinstance(body, TrajectoryScoreRequest):
+        spans = sum(len(turn.span_ids) for turn in body.turns)
+        suffixes = sum(len(turn.context_suffix_ids) for turn in body.turns)
+        return len(body.trunk_ids) + suffixes + spans * (1 + body.top_k)
+    return 0
+
+
+def check_request_tokens(total: int, info: ServerInfo) -> None:
+    """TooManyTokens when a request costing `total` is over the server's max_request_tokens."""
     if info.max_request_tokens is not None and total > info.max_request_tokens:
         raise TooManyTokens(
-            f"requests: {total} ids in one request (all input_ids together), at most "
-            f"{info.max_request_tokens} are accepted (the server's max_request_tokens); "
-            "split it into several requests"
+            f"request: costs {total} tokens (every input id once, every scored position "
+            f"top_k more times), at most {info.max_request_tokens} are accepted (the "
+            "server's max_request_tokens); split it into several requests or ask a smaller "
+            "top_k"
         )
+
+
+def check_items(items: list[ScoreItem], info: ServerInfo) -> None:
+    """The limits every backend enforces, before anything is queued."""
+    check_request_tokens(sum(item_tokens(item) for item in items), info)
     for index, item in enumerate(items):
         where = f"requests[{index}]"
         length = len(item.input_ids)
@@ -115,6 +140,7 @@ def check_items(items: list[ScoreItem], info: ServerInfo) -> None:
 def check_trajectory(request: TrajectoryScoreRequest, info: ServerInfo) -> None:
     """Whole-trajectory requests: contexts inside the trunk and growing, ids in range, and
     the packed sequence within the max context."""
+    check_request_tokens(request_tokens(request), info)
     trunk = len(request.trunk_ids)
     previous = 0
     packed = trunk

@@ -67,6 +67,9 @@ half again the real ids."""
 SESSION_CHUNK = 512
 """Session requests compute their new ids this many at a time: a chunk's attention mask
 over the cached prefix is chunk x context, not context^2."""
+LOGIT_ELEMENTS = 2**24
+"""Logits computed at once at most (64 MiB in fp32): the output layer runs on
+LOGIT_ELEMENTS // vocab span positions at a time (SpanScores)."""
 
 Job = TypeVar("Job")
 
@@ -152,19 +155,10 @@ class HFScorer:
                 results[index] = BackendFailure(f"scoring failed: {type(err).__name__}: {err}")
         return [r for r in results if r is not None]
 
-    def _span_result(self, rows: Tensor, item: ScoreItem, cached: int) -> ScoreResult:
-        """rows[i] are the logits that predict input_ids[span_start + i]."""
-        targets = torch.tensor(item.input_ids[item.span_start :], device=rows.device)
-        logprobs = log_softmax(rows, VocabShard(), float(item.temperature))
-        result = ScoreResult(
-            logprobs=logprobs.gather(-1, targets[:, None])[:, 0].tolist(), cached_tokens=cached
-        )
-        if item.top_k:
-            top = logprobs.topk(item.top_k, dim=-1)
-            result.top_k_ids = top.indices.tolist()
-            result.top_k_logprobs = top.values.tolist()
-        self.metrics.add_tokens(scored=len(targets), cached=cached)
-        return result
+    def _span_scores(self, item: ScoreItem) -> SpanScores:
+        head = self.model.get_output_embeddings()
+        assert head is not None
+        return SpanScores(head, item, max(1, LOGIT_ELEMENTS // self.model.config.vocab_size))
 
     @torch.no_grad()
     def _score_right_padded(self, items: list[ScoreItem]) -> list[ScoreResult]:
@@ -179,12 +173,11 @@ class HFScorer:
             input_ids=input_ids.to(self.device), use_cache=False
         ).last_hidden_state
         self.metrics.add_tokens(computed=input_ids.numel())
-        head = self.model.get_output_embeddings()
-        assert head is not None
         results = []
         for row, item in enumerate(items):
-            rows = head(hidden[row, item.span_start - 1 : len(item.input_ids) - 1])
-            results.append(self._span_result(rows, item, 0))
+            scores = self._span_scores(item)
+            scores.add(hidden[row, item.span_start - 1 : len(item.input_ids) - 1])
+            results.append(scores.result(cached=0, metrics=self.metrics))
         return results
 
     @torch.no_grad()
@@ -194,12 +187,11 @@ class HFScorer:
         slime_ext.hybrid_tree)."""
         packed = pack(request.trunk_ids, request.turns)
         hidden = trunk_then_branches(self.model, packed)
-        rows_all = hidden[torch.tensor(packed.span_rows, device=hidden.device)]
-        logits = self.model.get_output_embeddings()(rows_all)
+        rows_all = torch.tensor(packed.span_rows, device=hidden.device)
         self.metrics.add_tokens(computed=len(packed.ids))
         results, offset = [], 0
         for turn in request.turns:
-            rows = logits[offset : offset + len(turn.span_ids)]
+            rows = rows_all[offset : offset + len(turn.span_ids)]
             offset += len(turn.span_ids)
             item = ScoreItem(
                 input_ids=[0, *turn.span_ids],
@@ -207,7 +199,9 @@ class HFScorer:
                 top_k=request.top_k,
                 temperature=request.temperature,
             )
-            results.append(self._span_result(rows, item, 0))
+            scores = self._span_scores(item)
+            scores.add(hidden[rows])
+            results.append(scores.result(cached=0, metrics=self.metrics))
         return results
 
     def _score_session(self, item: ScoreItem, ticket: SessionTicket | None) -> ScoreResult:
@@ -241,27 +235,59 @@ class HFScorer:
                 )
                 snapshot_at = {*periodic, item.span_start, len(ids)}
             chunks = range(reused + SESSION_CHUNK, len(ids), SESSION_CHUNK)
-            rows, begin = [], reused
+            scores, begin = self._span_scores(item), reused
+            decoder = self.model.get_decoder()
             for end in sorted(snapshot_at.union(chunks)):
-                # only the logits that predict span tokens (and one past the end) are computed
-                keep = end - max(begin, item.span_start - 1)
-                logits = self.model(
+                hidden = decoder(
                     input_ids=torch.tensor([ids[begin:end]], device=self.device),
                     cache=state.cache,
                     use_cache=True,
-                    logits_to_keep=max(keep, 1),  # 0 would mean "all" to transformers
-                ).logits[0]
+                ).last_hidden_state[0]
                 self.metrics.add_tokens(computed=end - begin)
-                if keep > 0:
-                    rows.append(logits)
+                # the rows that predict span tokens: from span_start - 1 to the last id but one
+                first, last = max(begin, item.span_start - 1), min(end, len(ids) - 1)
+                if first < last:
+                    scores.add(hidden[first - begin : last - begin])
                 if self.is_hybrid and end in snapshot_at:
                     state.snapshots[end] = snapshot(state.cache)
                 begin = end
             state.ids = ids
-            span_rows = torch.cat(rows)[: len(ids) - item.span_start]
-            result = self._span_result(span_rows, item, reused)
+            result = scores.result(cached=reused, metrics=self.metrics)
             lease.keep(state)
             return result
+
+
+class SpanScores:
+    """A span's log-probs (and top-k rows), from the hidden states that predict its tokens
+    (added in order, any number at a time); the output layer and log-softmax run on at
+    most `rows` of them at once, so logits never hold more than rows x vocab floats."""
+
+    def __init__(self, head: torch.nn.Module, item: ScoreItem, rows: int) -> None:
+        self.head, self.item, self.rows = head, item, rows
+        self.targets = item.input_ids[item.span_start :]
+        self.logprobs: list[float] = []
+        self.top_ids: list[list[int]] = []
+        self.top_logprobs: list[list[float]] = []
+
+    def add(self, hidden: Tensor) -> None:
+        for start in range(0, len(hidden), self.rows):
+            chunk = hidden[start : start + self.rows]
+            done = len(self.logprobs)
+            targets = torch.tensor(self.targets[done : done + len(chunk)], device=chunk.device)
+            logprobs = log_softmax(self.head(chunk), VocabShard(), float(self.item.temperature))
+            self.logprobs += logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+            if self.item.top_k:
+                top = logprobs.topk(self.item.top_k, dim=-1)
+                self.top_ids += top.indices.tolist()
+                self.top_logprobs += top.values.tolist()
+
+    def result(self, cached: int, metrics: ServerMetrics) -> ScoreResult:
+        assert len(self.logprobs) == len(self.targets), "every span position added once"
+        metrics.add_tokens(scored=len(self.targets), cached=cached)
+        result = ScoreResult(logprobs=self.logprobs, cached_tokens=cached)
+        if self.item.top_k:
+            result.top_k_ids, result.top_k_logprobs = self.top_ids, self.top_logprobs
+        return result
 
 
 class MicroBatcher(Generic[Job]):

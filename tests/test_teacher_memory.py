@@ -191,7 +191,7 @@ def test_a_request_of_too_many_ids_is_413_naming_the_limit(
         response = http.post("/v1/score", json={"requests": [i.model_dump() for i in over]})
     assert response.status_code == 413
     detail = response.json()["detail"]
-    assert "3000 ids in one request" in detail and "at most 2048" in detail
+    assert "costs 3000 tokens" in detail and "at most 2048" in detail
     assert "max_request_tokens" in detail
     transport = CountingTransport()
 

@@ -1,0 +1,197 @@
+"""Routes with a JSON body, served so that no request can stall or exhaust the service.
+
+FastAPI parses a body with json.loads and validates it on the event loop, collecting an
+error per bad value, then serializes the answer on the event loop too: a body of a few MB
+of bad values held the loop for seconds (health checks stalled), allocated hundreds of
+times its size and was answered with tens of MB of errors. Here, per request:
+
+1. the body is validated in a worker thread, in one pass over its bytes (pydantic's own
+   JSON parser, lists stopping at their first bad value: api.RequestBody); the 422 names
+   at most MAX_PROBLEMS problems of at most MAX_PROBLEM_CHARS characters each;
+2. it is admitted by its cost in tokens (backend.request_tokens: ids, and the top-k rows
+   of its answer) against the TokenBudget of everything being served: 413 past the
+   budget's whole, 503 with Retry-After while others hold it;
+3. the endpoint runs until it answers or the client leaves: a client that disconnects
+   has its work cancelled (queued items are then never computed);
+4. the answer is serialized in a worker thread; the reservation is returned once it is
+   sent.
+
+Path parameters and dependencies are not resolved (the guard checked the key before the
+body was read): an endpoint takes exactly its body model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from teacher_server.api import ServerInfo
+from teacher_server.backend import (
+    Overloaded,
+    RequestTooLarge,
+    check_request_tokens,
+    request_tokens,
+)
+
+MAX_PROBLEMS = 5
+MAX_PROBLEM_CHARS = 300
+RETRY_AFTER_S = 1
+JSON = "application/json"
+INFLIGHT_REQUESTS = 2
+"""The default max_inflight_tokens: this many requests of max_request_tokens at once."""
+T = TypeVar("T")
+
+
+class InvalidBody(ValueError):
+    """A body that is not valid JSON of the route's model (HTTP 422); the message is
+    bounded (MAX_PROBLEMS x MAX_PROBLEM_CHARS)."""
+
+
+class ClientLeft(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class TokenBudget:
+    """Tokens (backend.request_tokens) of the requests being served at once: one request
+    at most the backend's max_request_tokens, all together at most `max_inflight_tokens`
+    (None: INFLIGHT_REQUESTS x max_request_tokens). Used from the event loop only."""
+
+    def __init__(self, info: Callable[[], ServerInfo], max_inflight_tokens: int | None) -> None:
+        self.info = info  # read per request: a backend may learn its limits in start()
+        self.max_inflight_tokens = max_inflight_tokens
+        self.used = 0
+
+    def limit(self) -> int | None:
+        per_request = self.info().max_request_tokens
+        default = None if per_request is None else INFLIGHT_REQUESTS * per_request
+        return self.max_inflight_tokens or default
+
+    def admit(self, tokens: int) -> None:
+        """Holds `tokens` until release(); RequestTooLarge when they could never fit,
+        Overloaded while others hold too much."""
+        check_request_tokens(tokens, self.info())
+        limit = self.limit()
+        if limit is not None:
+            if tokens > limit:
+                raise RequestTooLarge(
+                    f"request: costs {tokens} tokens, more than the {limit} the server serves "
+                    "at once (its max_inflight_tokens); split it into several requests or ask "
+                    "a smaller top_k"
+                )
+            if self.used + tokens > limit:
+                raise Overloaded(
+                    f"{self.used} tokens in flight (bound {limit}), this request costs "
+                    f"{tokens}; retry later"
+                )
+        self.used += tokens
+
+    def release(self, tokens: int) -> None:
+        self.used -= tokens
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    """`model` from JSON `body`, or InvalidBody naming the first few problems."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        count = err.error_count()
+        problems = []
+        for error in err.errors(include_url=False, include_context=False, include_input=False)[
+            :MAX_PROBLEMS
+        ]:
+            where = ".".join(str(part) for part in error["loc"]) or "body"
+            problem = f"{where}: {error['msg'].removeprefix('Value error, ')}"
+            problems.append(problem[:MAX_PROBLEM_CHARS])
+        more = f"; and {count - len(problems)} more" if count > len(problems) else ""
+        raise InvalidBody("; ".join(problems) + more) from None
+
+
+class JSONBodyRoute(APIRoute):
+    """A POST route served as the module docstring says. Subclass it with `budget` and
+    `count_error` set (json_body_route)."""
+
+    budget: TokenBudget
+    count_error: Callable[[int], None]
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **options: Any) -> None:
+        super().__init__(path, endpoint, **options)
+        if self.body_field is None:
+            raise TypeError(f"{path}: a JSONBodyRoute's endpoint takes its body model")
+        self.body_model: type[BaseModel] = self.body_field.field_info.annotation  # type: ignore[assignment]
+        self.app = self.serve
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await Request(scope, receive).body()
+        try:
+            parsed = await asyncio.to_thread(parse_body, self.body_model, body)
+        except InvalidBody as err:
+            await self._refuse(422, str(err), scope, receive, send)
+            return
+        finally:
+            del body
+        tokens = request_tokens(parsed)
+        try:
+            self.budget.admit(tokens)
+        except RequestTooLarge as err:
+            await self._refuse(413, str(err), scope, receive, send)
+            return
+        except Overloaded as err:
+            await self._refuse(503, str(err), scope, receive, send)
+            return
+        try:
+            answer = await until_disconnect(self.endpoint(parsed), receive)
+            if not isinstance(answer, Response):
+                serialize = type(answer).__pydantic_serializer__.to_json
+                answer = Response(await asyncio.to_thread(serialize, answer), media_type=JSON)
+            await answer(scope, receive, send)
+        except ClientLeft:
+            return
+        finally:
+            self.budget.release(tokens)
+
+    async def _refuse(
+        self, status: int, detail: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        self.count_error(status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+        await JSONResponse({"detail": detail}, status_code=status, headers=headers)(
+            scope, receive, send
+        )
+
+
+def json_body_route(budget: TokenBudget, count_error: Callable[[int], None]) -> type[APIRoute]:
+    """The route class of one app: JSONBodyRoute bound to its budget and error counter."""
+    return type(
+        "JSONBodyRoute",
+        (JSONBodyRoute,),
+        {"budget": budget, "count_error": staticmethod(count_error)},
+    )
+
+
+async def until_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """`work`'s result, or ClientLeft once the client disconnects first (then `work` is
+    cancelled). Call after the body was read: `receive` then only reports the end."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientLeft
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
