@@ -3,10 +3,20 @@
 A trajectory calls python up to 16 times and later cells use names earlier cells
 defined, so one worker (python_worker_child.py) lives in a LocalSandbox for the whole
 trajectory, with numpy and sympy imported once at start. Inside it a supervisor talks to
-this host and a separate process runs the cells: user code never holds the reply
-channel, and the supervisor takes what the cells' process says as untrusted, so no cell
-can forge, end early or desynchronize a reply. The replies are still checked here (a
-malformed frame ends the worker with a SandboxDiedError; the next call starts afresh).
+this host and a separate process runs each cell. User code never holds the reply channel;
+a call ends when the process that ran its cell has exited (the supervisor waits for it,
+it does not take that process's word), with that process's exit status as the call's exit
+code, and its output is what was written to that call's own pipes. So no cell can end its
+call while the process running it lives, keep anything running between calls (the cells'
+process is stopped then and every other process it left is killed), or forge or
+desynchronize a reply. The replies are still checked here (a malformed frame ends the
+worker with a SandboxDiedError; the next call starts afresh).
+
+What one interpreter cannot prevent, as in any notebook kernel: a cell can rewrite the
+interpreter its own later cells run in (builtins, the worker's own functions, the process
+it hands its state to), so a trajectory can sabotage its own later calls: their code not
+run, their output made up, exit code 0. That reaches no other trajectory, the host, or
+the protocol: each of those calls still ends only when its process has.
 
 Each call has a wall-clock deadline: RLIMIT_CPU would accumulate over the calls of one
 process, so the deadline is the host's, and a call that passes it kills the worker and
@@ -14,7 +24,9 @@ everything it started. So does an output flood. Work a call leaves behind is sto
 it ends: its child processes are killed, its threads die with the process that ran it
 (the namespace lives on in a single-threaded fork), and between calls the cells' process
 is stopped (SIGSTOP). A crash (segfault, os._exit) loses the names defined so far. The
-next call runs in a fresh worker and says so (`worker_restarted`).
+next call runs in a fresh worker and says so (`worker_restarted`); so does a call that the
+cells' process could no longer take (a cell broke what receives requests), which runs in a
+fresh one.
 """
 
 from __future__ import annotations
@@ -57,9 +69,10 @@ class PythonWorkerConfig(BaseModel):
     SINGLE_THREADED_ENV."""
     python: str | None = None
     """Interpreter to run; default: this process's. Strict isolation mounts its prefixes
-    read-only; basic isolation starts it as root, which hands the cells descriptors of
-    the import paths the sandbox uid cannot reach (a venv under /root) and drops to the
-    uid before anything else runs."""
+    read-only; basic isolation starts it as root, which mounts the import paths the
+    sandbox uid cannot reach (a venv under /root), and nothing beside them, in a private
+    mount namespace and drops to the uid before anything else runs (a host that refuses
+    the namespace refuses such an interpreter, saying why)."""
     preload_modules: list[str] = Field(default_factory=lambda: ["numpy", "sympy"])
     """Imported once per worker start, so cells that import them pay nothing."""
     echo_last_expression: bool = True
@@ -91,6 +104,9 @@ class _CallEnd(BaseModel):
     state_lost: bool
     """The cells' process did not survive the call; the supervisor forked a fresh one."""
     reason: str | None
+    restarted: str | None = None
+    """Why the call ran in a fresh cells' process: the one holding the state could not
+    take it."""
 
 
 class _Cell:
@@ -327,6 +343,7 @@ class PythonWorker(StartsAndCloses):
             self._restart_reason = _death_reason(killed_for, exit_code, timeout_s)
         else:
             exit_code = end.exit_code
+            restart_reason = restart_reason or end.restarted
             if end.state_lost:
                 self._restart_reason = end.reason or _death_reason(None, exit_code, timeout_s)
         stderr = cell.err.text()

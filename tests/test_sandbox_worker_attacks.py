@@ -1,17 +1,21 @@
-"""Cells that attack the python worker itself: its reply protocol and the work a call
-leaves behind. Each runs under both isolation levels and must end with a result (never
-an exception outside the SandboxError family) and a next call that works.
+"""Cells that attack the python worker itself: its reply protocol, the work a call
+leaves behind, its standard streams, and what basic isolation exposes of an interpreter
+under a root-only directory. Each runs under both isolation levels and must end with a
+result (never an exception outside the SandboxError family) and a next call that works.
 
 The protocol's side is out of the cells' reach by construction (the supervisor holds it
-and is not dumpable); these cells try every way in a cell has: /proc descriptors of every
-process of the uid, every socket the interpreter holds, frames, forged messages, killing
-or stopping the supervisor, odd exit codes, a broken runtime. Controls show each attack
-does what it says where nothing stops it.
+and is not dumpable, and a call ends only when the process that ran it has exited); these
+cells try every way in a cell has: /proc descriptors of every process of the uid, every
+socket the interpreter holds, frames, forged messages, answering later calls, killing or
+stopping the supervisor, odd exit codes, a broken runtime, closed standard streams,
+directory descriptors and `..`. Controls show each attack does what it says where nothing
+stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -24,9 +28,15 @@ from typing import TypeVar
 
 import pytest
 
-from sandbox import LocalSandboxConfig, PythonWorker, PythonWorkerConfig, WorkerExecResult
+from sandbox import (
+    LocalSandbox,
+    LocalSandboxConfig,
+    PythonWorker,
+    PythonWorkerConfig,
+    WorkerExecResult,
+)
 from sandbox.leases import uid_processes
-from sandbox.python_worker import FRAME_HEADER
+from sandbox.python_worker import CHILD_SCRIPT, FRAME_HEADER
 from tests.sandbox_modes import STRICT, run
 
 T = TypeVar("T")
@@ -152,7 +162,9 @@ import sys, time
 frame = sys._getframe()
 while frame is not None and "request" not in frame.f_locals:
     frame = frame.f_back
-for control in live_sockets():
+sockets = list(live_sockets())
+print("sockets", len(sockets), flush=True)
+for control in sockets:
     control.send(b"done %d 0" % frame.f_locals["request"]["call"])
 time.sleep(2)
 print("late")
@@ -160,19 +172,54 @@ print("late")
 )
 
 
-def test_a_cell_that_ends_its_own_call_early_does_not_shift_later_calls(
+def test_a_cell_cannot_end_its_own_call_before_its_code_has_ended(
     root_dir: Path, isolation: str
 ) -> None:
-    """The cells' process can always end its own call (it is the one that says `done`);
-    the rest of that cell runs at the next call, and its `done` must not end that one."""
+    """A call ends when the process that ran it exits, not on anything said on a socket:
+    the forged end changes nothing, the rest of the cell runs in its own call."""
     results = run(
         cells(worker_config(root_dir, isolation), "kept = 1", EARLY_END, "kept + 1", "kept + 2")
     )
     _, early, following, last = results
-    assert early.exit_code == 0 and "late" not in early.stdout
-    assert early.duration_s < 2  # control: the forged end did end the call early
+    assert early.exit_code == 0 and early.stdout.endswith("late\n") and early.duration_s >= 2
+    assert int(early.stdout.split()[1]) >= 1  # control: it held live sockets and spoke
     assert following.stdout == "2\n" and last.stdout == "3\n"
     assert not any(r.worker_restarted or r.worker_died for r in results)
+
+
+ANSWER_LATER = (
+    LIVE_SOCKETS
+    + """
+import json, sys
+frame = sys._getframe()
+while frame is not None and "request" not in frame.f_locals:
+    frame = frame.f_back
+control = next(live_sockets())
+print("holding a socket", flush=True)
+control.send(b"done %d 0" % frame.f_locals["request"]["call"])
+while True:  # take each later call's request and answer it without running its code
+    _, fds, _, _ = socket.recv_fds(control, 16, 3)
+    if len(fds) == 3:
+        later = json.loads(os.read(fds[0], 1 << 20))
+        os.write(fds[1], b"answered by an earlier cell\\n")
+        control.send(b"done %d 0" % later["call"])
+    for fd in fds:
+        os.close(fd)
+"""
+)
+
+
+def test_a_cell_cannot_stay_alive_and_answer_later_calls(root_dir: Path, isolation: str) -> None:
+    async def scenario() -> list[WorkerExecResult]:
+        async with PythonWorker(worker_config(root_dir, isolation)) as worker:
+            attack = await worker.exec(ANSWER_LATER, 3)
+            return [attack, await worker.exec("print('ran')", 10), await worker.exec("1 + 1", 10)]
+
+    attack, ran, after = run(scenario())
+    assert ran.stdout == "ran\n" and ran.exit_code == 0 and ran.worker_restarted
+    assert after.stdout == "2\n" and not after.worker_restarted
+    assert attack.timed_out and attack.worker_died  # its call lasted as long as its code
+    assert attack.stdout == "holding a socket\n"  # control: it held the socket
 
 
 @pytest.mark.parametrize(
@@ -252,8 +299,72 @@ def test_a_cell_that_breaks_the_cells_process_never_breaks_the_protocol(
     results = run(
         cells(worker_config(root_dir, isolation), attack, "1 + 1", "2 + 2", "print('fine')")
     )
-    assert results[-1].stdout == "fine\n" and results[-1].exit_code == 0
-    assert results[-2].stdout == "4\n"  # at most one call pays for the broken state
+    # No later call pays for the broken state: each runs, in a fresh process if need be.
+    assert [r.stdout for r in results[1:]] == ["2\n", "4\n", "fine\n"]
+    assert all(r.exit_code == 0 for r in results[1:])
+
+
+STREAM_PROBE = """
+import stat
+def state(fd):
+    try:
+        return "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "open"
+    except OSError:
+        return "closed"
+seen = " ".join(state(fd) for fd in (0, 1, 2))
+with open("std-streams", "w") as probe:  # lands on a slot the cell freed
+    probe.write(seen)
+"""
+STREAM_ATTACKS = {
+    "close-all": ("import os\nfor fd in (0, 1, 2):\n    os.close(fd)\n", "closed closed closed"),
+    "close-stdin": ("import os\nos.close(0)\n", "closed open open"),
+    "directory-on-0": ("import os\nos.close(0)\nos.open('.', os.O_RDONLY)\n", "dir open open"),
+}
+
+
+@pytest.mark.parametrize("attack", list(STREAM_ATTACKS))
+def test_a_cell_that_closes_or_reuses_the_standard_streams_leaves_later_calls_intact(
+    root_dir: Path, isolation: str, attack: str
+) -> None:
+    """Whatever a cell leaves on descriptors 0-2, the worker's own descriptors never land
+    there: the next call runs with its state, stdin /dev/null and its own output."""
+    cell, damage = STREAM_ATTACKS[attack]
+
+    async def scenario() -> tuple[WorkerExecResult, bytes, list[WorkerExecResult]]:
+        async with PythonWorker(worker_config(root_dir, isolation)) as worker:
+            await worker.exec("kept = 1", 10)
+            hit = await worker.exec(cell + STREAM_PROBE, 10)
+            probe = await worker.read_file("std-streams")
+            later = ["kept", "import sys\nprint(repr(sys.stdin.read()))", "kept + 1"]
+            return hit, probe, [await worker.exec(code, 10) for code in later]
+
+    hit, probe, (kept, stdin, after) = run(scenario())
+    assert probe.decode() == damage and hit.exit_code == 0  # control: the damage was done
+    assert kept.stdout == "1\n" and kept.exit_code == 0, kept
+    assert stdin.stdout == "''\n" and after.stdout == "2\n"
+    assert not any(r.worker_restarted or r.worker_died for r in (hit, kept, stdin, after))
+
+
+def test_a_call_the_cells_process_cannot_take_runs_in_a_fresh_one_that_says_so(
+    root_dir: Path, isolation: str
+) -> None:
+    """A cell that breaks what takes the next request (here the JSON decoder) costs its
+    trajectory the state, never the next call: that call runs in a fresh process and its
+    result says so."""
+    results = run(
+        cells(
+            worker_config(root_dir, isolation),
+            "kept = 1",
+            "import json\njson.loads = None",
+            "print('innocent')",
+            "kept",
+        )
+    )
+    _, broke, innocent, after = results
+    assert broke.exit_code == 0 and not broke.worker_died
+    assert innocent.stdout == "innocent\n" and innocent.exit_code == 0, innocent
+    assert innocent.worker_restarted and "could not take" in (innocent.restart_reason or "")
+    assert "NameError" in after.stderr and not after.worker_restarted  # the state is gone
 
 
 # -- work a call leaves behind ---------------------------------------------------------------
@@ -380,3 +491,118 @@ def test_a_worker_whose_host_dies_leaves_nothing_running(
     while (left := uid_processes(uid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == []
+
+
+# -- what an interpreter under a root-only directory exposes (basic isolation) ---------------
+
+SECRET = "root-only project secret"
+
+CLIMB = """
+import os, stat, sys
+import opd_probe_module
+dir_fds, leaks = [], []
+for name in os.listdir("/proc/self/fd"):
+    try:
+        if stat.S_ISDIR(os.stat(f"/proc/self/fd/{name}").st_mode):
+            dir_fds.append(int(name))
+    except OSError:
+        pass  # the listing's own descriptor, closed by now
+def read(path, dir_fd=None):
+    try:
+        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
+    except OSError:
+        return
+    leaks.append(os.read(fd, 100).decode(errors="replace"))
+    os.close(fd)
+starts = [os.path.dirname(opd_probe_module.__file__), *sys.path]
+for up in range(8):
+    relative = "../" * up + "secret.txt"
+    for fd in dir_fds:
+        read(relative, dir_fd=fd)
+        read(f"/proc/self/fd/{fd}/{relative}")
+    for start in starts:
+        read(f"{start}/{relative}")
+print(opd_probe_module.ANSWER, dir_fds, leaks)
+"""
+
+HOLD_AND_CLIMB = """
+import os, sys
+site_packages, uid = sys.argv[1], int(sys.argv[2])
+anchor = os.open(site_packages, os.O_PATH)
+os.setgroups([])
+os.setresgid(uid, uid, uid)
+os.setresuid(uid, uid, uid)
+print(os.read(os.open("../../../../secret.txt", os.O_RDONLY, dir_fd=anchor), 100).decode())
+"""
+
+
+@pytest.fixture(scope="module")
+def venv_in_root_only_project() -> Iterator[Path]:
+    """<0700 root dir>/project (0755) holding a venv with a module of its own and, beside
+    the venv, a 0644 secret: the sandbox uid reaches neither on its own."""
+    base = Path(tempfile.mkdtemp(prefix="opd-root-only-"))
+    project = base / "project"
+    project.mkdir()
+    project.chmod(0o755)
+    venv = project / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    site_packages = next(venv.glob("lib/python3*/site-packages"))
+    (site_packages / "opd_probe_module.py").write_text("ANSWER = 42\n")
+    (project / "secret.txt").write_text(SECRET)
+    (project / "secret.txt").chmod(0o644)
+    yield venv / "bin" / "python"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_no_descriptor_or_path_a_cell_holds_leads_past_the_import_paths(
+    root_dir: Path, isolation: str, venv_in_root_only_project: Path
+) -> None:
+    python = venv_in_root_only_project
+    project = python.parent.parent.parent
+    site_packages = next(python.parent.parent.glob("lib/python3*/site-packages"))
+    cfg = worker_config(root_dir, isolation).model_copy(update={"python": str(python)})
+    # Control: a process of another uid holding a descriptor of site-packages climbs to
+    # the secret with `..` (the kernel checks only the directories the walk passes) ...
+    climbed = subprocess.run(
+        [sys.executable, "-c", HOLD_AND_CLIMB, str(site_packages), str(UID_BASE + 199)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert climbed.stdout == SECRET + "\n", climbed.stderr
+
+    async def scenario() -> tuple[WorkerExecResult, WorkerExecResult]:
+        async with LocalSandbox(cfg.sandbox) as sandbox:  # ... which the uid cannot read
+            alone = await sandbox.exec(f"cat {project / 'secret.txt'}", 10)
+        async with PythonWorker(cfg) as worker:
+            return alone, await worker.exec(CLIMB, 30)
+
+    alone, climb = run(scenario())
+    assert alone.exit_code == 1 and SECRET not in alone.stdout
+    assert climb.exit_code == 0, climb.stderr
+    assert climb.stdout == "42 [] []\n"
+
+
+@pytest.mark.timeout(120)
+def test_basic_isolation_refuses_import_paths_it_cannot_contain(
+    venv_in_root_only_project: Path,
+) -> None:
+    """Without the right to make a mount namespace (CAP_SYS_ADMIN) the worker cannot
+    expose a root-only venv alone: it does not start, and says why and what to do."""
+    options = {"echo_last_expression": True, "preload_modules": [], "drop_to_uid": UID_BASE + 199}
+    worker = [str(venv_in_root_only_project), "-I", str(CHILD_SCRIPT), json.dumps(options)]
+    with_admin = subprocess.run(worker, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert with_admin.returncode == 0 and with_admin.stdout.startswith(b"r")  # control: ready
+    refused = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_admin", "--", *worker],
+        capture_output=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    message = refused.stderr.decode()
+    assert refused.returncode != 0 and refused.stdout == b"", message
+    assert str(venv_in_root_only_project.parent.parent) in message
+    assert "isolation='strict'" in message and "`python`" in message
