@@ -33,7 +33,12 @@ from teacher_server.backend import (
     ScoringBackend,
 )
 from teacher_server.body_route import RETRY_AFTER_S, TokenBudget, json_body_route
-from teacher_server.guards import RequestGuard, RequestLog, default_max_body_bytes
+from teacher_server.guards import (
+    DEFAULT_BODY_TIMEOUT_S,
+    RequestGuard,
+    RequestLog,
+    default_max_body_bytes,
+)
 from teacher_server.metrics import ServerMetrics
 
 BEARER = Depends(HTTPBearer(auto_error=False))
@@ -62,12 +67,15 @@ def create_app(
     max_body_bytes: int | None = None,
     request_log: bool = False,
     max_inflight_tokens: int | None = None,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    max_inflight_body_bytes: int | None = None,
 ) -> FastAPI:
     """`max_body_bytes`: larger bodies are answered 413 unread; None derives it from the
     backend's limits (guards.default_max_body_bytes). `request_log`: one line per request
     on the `opd-teacher.requests` logger (guards.RequestLog). `max_inflight_tokens`: the
     tokens (backend.request_tokens) of the requests served at once (body_route); None:
-    body_route.INFLIGHT_REQUESTS x the backend's max_request_tokens."""
+    body_route.INFLIGHT_REQUESTS x the backend's max_request_tokens. `body_timeout_s`,
+    `max_inflight_body_bytes`: the guard's body deadline and budget (guards.RequestGuard)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -98,6 +106,8 @@ def create_app(
         api_key=api_key,
         max_body_bytes=body_limit,
         count_error=metrics.count_error,
+        body_timeout_s=body_timeout_s,
+        max_inflight_body_bytes=max_inflight_body_bytes,
     )
     if request_log:  # outermost: the guard's refusals are logged too
         app.add_middleware(RequestLog)

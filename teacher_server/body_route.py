@@ -46,6 +46,14 @@ RETRY_AFTER_S = 1
 JSON = "application/json"
 INFLIGHT_REQUESTS = 2
 """The default max_inflight_tokens: this many requests of max_request_tokens at once."""
+BYTES_PER_TOKEN = 256
+"""The documented bound of what one token of a request (backend.request_tokens) costs the
+server while it is served: its id parsed, its log-prob and top-k rows as Python lists and
+as the serialized answer (bench/teacher_memory.py --part bounds measures the slope)."""
+BYTES_PER_BODY_BYTE = 24
+"""The documented bound of what one byte of an invalid body costs the server while it is
+validated: pydantic parses the whole JSON before validating it (bench/teacher_memory.py
+--part bounds measures it: about 20 for a list of small bad objects, 11 for bad ids)."""
 T = TypeVar("T")
 
 

@@ -12,8 +12,10 @@ from typing import Annotated, Literal, NoReturn
 
 import typer
 
-from teacher_server.api import DEFAULT_MAX_TOP_K
+from teacher_server.api import DEFAULT_MAX_TOP_K, SERVICE_KEEP_ALIVE_S
 from teacher_server.cli_help import hide_flag_types, version_option
+from teacher_server.connections import DEFAULT_HEADER_TIMEOUT_S
+from teacher_server.guards import DEFAULT_BODY_TIMEOUT_S
 
 hide_flag_types()
 app = typer.Typer(
@@ -41,7 +43,18 @@ SERVE_HELP = (
     "forward's longest / 1.5), right-padded without an attention mask, so memory grows "
     "linearly with the ids; session requests compute their new ids 512 at a time. With "
     "the default --max-batch-tokens no forward costs more than one max-context item "
-    "alone. A request over --max-request-tokens ids is refused (413)."
+    "alone; logits are computed at most 64 MiB at a time. A request costs its ids plus its "
+    "span x top_k (the top-k rows of its answer): over --max-request-tokens it is refused "
+    "(413), and the requests served at once share --max-inflight-tokens (503 while full), "
+    "each token at most 256 bytes of memory while served (bench/teacher_memory.py measures "
+    "it). A body is validated off the event loop in one pass, and a client that leaves has "
+    "its queued work dropped.\n\n"
+    "Connections are bounded too: a request's headers are due within --header-timeout-s "
+    "(a connection that sends none is closed), its body within --body-timeout-s (408); "
+    "bodies buffered at once stay within --max-inflight-body-mb (503 past it); at "
+    "--max-connections a new connection closes the one idle longest, so clients that "
+    f"send requests keep being served. Between requests a connection is kept "
+    f"{SERVICE_KEEP_ALIVE_S:g} s."
 )
 
 
@@ -104,6 +117,51 @@ def serve(
             "max-batch-size items of max-context ids (10 bytes per id), at least 1 MiB.",
         ),
     ] = None,
+    max_inflight_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tokens of the requests served at once, all clients together (each input "
+            "id once, each scored position top_k more times); a request over it is 413, one "
+            "that finds no room beside the others 503 with Retry-After. Default: 2 requests "
+            "of --max-request-tokens.",
+        ),
+    ] = None,
+    header_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds a connection has to send a request's headers, from opening or from "
+            "its first byte after an answer; then it is closed.",
+        ),
+    ] = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds a request has to send its whole body once its headers are in; then "
+            "it is answered 408 and its connection closed.",
+        ),
+    ] = DEFAULT_BODY_TIMEOUT_S,
+    max_inflight_body_mb: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Request bodies being received and served at once, all requests together, "
+            "in MiB; a body that finds no room is answered 503 with Retry-After. Default: 4 "
+            "x --max-body-mb (never less than one body).",
+        ),
+    ] = None,
+    max_connections: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Open connections at most, so that accept() never runs out of descriptors; "
+            "at the cap a new connection closes the one idle longest (none idle: the new one "
+            "is closed). Default: the descriptor limit (raised to the hard limit) less "
+            "1024, at most 16384.",
+        ),
+    ] = None,
     cache_budget_mb: Annotated[float, typer.Option(help="Session cache budget (hf).")] = 1024.0,
     snapshot_every: Annotated[
         int, typer.Option(help="hf, hybrid models: recurrent-state snapshot interval in tokens.")
@@ -121,14 +179,24 @@ def serve(
 
     import uvicorn
 
-    from teacher_server.api import SERVICE_KEEP_ALIVE_S
     from teacher_server.app import create_app
     from teacher_server.backend import ScoringBackend
+    from teacher_server.connections import (
+        TooManyConnections,
+        bounded_protocol,
+        install_log_limits,
+        limits_within,
+        raise_descriptor_limit,
+    )
     from teacher_server.metrics import ServerMetrics
 
     chosen = _backend_name(backend)
     # the port first: a taken port is known before minutes of model loading
     listener = _listen(host, port)
+    try:
+        limits = limits_within(raise_descriptor_limit(), max_connections, header_timeout_s)
+    except TooManyConnections as err:
+        raise typer.BadParameter(str(err)) from None
     if exposed_without_key(host, api_key):
         typer.echo(
             f"opd-teacher: warning: serving on {host} without an API key: anyone who reaches "
@@ -193,13 +261,32 @@ def serve(
         requests.addHandler(handler)
         requests.setLevel(logging.INFO)
         requests.propagate = False
-    typer.echo(f"opd-teacher: {chosen} backend, model {model}, http://{host}:{port}")
+    typer.echo(
+        f"opd-teacher: {chosen} backend, model {model}, http://{host}:{port}, at most "
+        f"{limits.max_connections} connections"
+    )
     max_body_bytes = None if max_body_mb is None else int(max_body_mb * 2**20)
+    service = create_app(
+        scoring,
+        metrics,
+        api_key,
+        max_body_bytes,
+        request_log=request_log,
+        max_inflight_tokens=max_inflight_tokens,
+        body_timeout_s=body_timeout_s,
+        max_inflight_body_bytes=(
+            None if max_inflight_body_mb is None else int(max_inflight_body_mb * 2**20)
+        ),
+    )
     config = uvicorn.Config(
-        create_app(scoring, metrics, api_key, max_body_bytes, request_log=request_log),
+        service,
         log_level="warning",
         timeout_keep_alive=int(SERVICE_KEEP_ALIVE_S),
+        http=bounded_protocol(limits, metrics),  # h11 even where httptools is installed
+        ws="none",
+        backlog=limits.accept_backlog,
     )
+    install_log_limits()  # after uvicorn.Config, which configures logging
     uvicorn.Server(config).run(sockets=[listener])
 
 

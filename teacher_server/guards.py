@@ -1,4 +1,5 @@
-"""The service's door: requests refused from their headers, before the body is read.
+"""The service's door: requests refused from their headers, before the body is read, and
+bodies read within a deadline and a budget of bytes buffered at once.
 
 A plain ASGI middleware, because FastAPI reads and parses a whole body before any route
 dependency runs: an unauthenticated or oversized body would otherwise cost its full size
@@ -7,10 +8,12 @@ in memory and parse time before being refused.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
@@ -18,12 +21,17 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from teacher_server.api import ServerInfo
+from teacher_server.body_route import RETRY_AFTER_S
 
 PROTECTED_PREFIX = "/v1/"
 """Paths that need the API key; /health, /metrics and the API docs do not."""
 BYTES_PER_ID = 10
 """JSON bytes of one token id at most: up to 8 digits and a separator."""
 MIN_BODY_BYTES = 2**20
+DEFAULT_BODY_TIMEOUT_S = 60.0
+INFLIGHT_BODIES = 4
+"""The default budget of bodies buffered at once, all requests together: this many of the
+per-request body limit."""
 
 
 def default_max_body_bytes(info: ServerInfo) -> int:
@@ -32,11 +40,33 @@ def default_max_body_bytes(info: ServerInfo) -> int:
     return max(MIN_BODY_BYTES, BYTES_PER_ID * info.max_context * info.max_batch_size)
 
 
+class Refusal(Exception):
+    """A request the guard answers itself, with `response`, and counts (count_error)."""
+
+    def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None):
+        super().__init__(detail)
+        self.status_code = status_code
+        self.response = JSONResponse({"detail": detail}, status_code=status_code, headers=headers)
+
+
+@dataclass
+class BodyReservation:
+    """One request's bytes in RequestGuard.inflight_body_bytes."""
+
+    size: int = 0
+
+
 class RequestGuard:
-    """401 for a missing or wrong bearer token under PROTECTED_PREFIX, then 413 for a body
-    over `max_body_bytes()`: from Content-Length before reading, else counted while the
-    body streams in (chunked), never read past the limit. The body then reaches the app
-    whole, as one message."""
+    """Refuses from the headers, before the body is read: 401 for a missing or wrong bearer
+    token under PROTECTED_PREFIX, 413 for a Content-Length over `max_body_bytes()`, 503
+    (Retry-After) while the bodies other requests hold leave no room for it in
+    `max_inflight_body_bytes` (default INFLIGHT_BODIES x the body limit, never less than
+    one body). A body without Content-Length (chunked) is counted while it streams in, and
+    refused the same way once past either limit, never read past it. A body not complete
+    within `body_timeout_s` of its headers is answered 408 and its connection closed.
+
+    The body then reaches the app whole, as one message; its bytes stay reserved until the
+    app returned (its answer was sent), so buffered bodies stay within the budget."""
 
     def __init__(
         self,
@@ -45,58 +75,103 @@ class RequestGuard:
         api_key: str | None,
         max_body_bytes: Callable[[], int],
         count_error: Callable[[int], None] = lambda status: None,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        max_inflight_body_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.count_error = count_error  # each refusal's status: errors_total counts them
+        self.body_timeout_s = body_timeout_s
+        self.max_inflight_body_bytes = max_inflight_body_bytes
+        self.inflight_body_bytes = 0
+        """Body bytes reserved by the requests in the guard now (one event loop: no lock)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        reservation = BodyReservation()
+        try:
+            try:
+                body = await self._read_body(scope, receive, reservation)
+            except Refusal as refusal:
+                self.count_error(refusal.status_code)
+                await refusal.response(scope, receive, send)
+                return
+            if body is None:  # the client left: nothing to answer
+                return
+
+            async def replay() -> Message:
+                nonlocal body
+                if body is None:
+                    return await receive()
+                message, body = body, None
+                return message
+
+            await self.app(scope, replay, send)
+        finally:
+            self.inflight_body_bytes -= reservation.size
+
+    async def _read_body(
+        self, scope: Scope, receive: Receive, reservation: BodyReservation
+    ) -> Message | None:
+        """The whole body as one message, None if the client left first; raises Refusal."""
         headers = Headers(scope=scope)
         if not self._authorized(scope["path"], headers):
-            refusal = JSONResponse(
-                {"detail": "missing or wrong bearer token"},
-                status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            self.count_error(401)
-            await refusal(scope, receive, send)
-            return
+            raise Refusal(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
         limit = self.max_body_bytes()
+        budget = max(limit, self.max_inflight_body_bytes or INFLIGHT_BODIES * limit)
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            self.count_error(413)
-            await _too_large(declared, limit)(scope, receive, send)
-            return
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise _too_large(declared, limit)
+            self._reserve(reservation, int(declared), budget)
+        try:
+            return await asyncio.wait_for(
+                self._receive_body(receive, limit, budget, reservation), self.body_timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise Refusal(
+                408,
+                f"request body: not complete {self.body_timeout_s:g} s after its headers "
+                "(the server's --body-timeout-s)",
+                {"Connection": "close"},
+            ) from None
+
+    async def _receive_body(
+        self, receive: Receive, limit: int, budget: int, reservation: BodyReservation
+    ) -> Message | None:
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client left: nothing to answer
-                return
+            if message["type"] != "http.request":
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                self.count_error(413)
-                await _too_large(f"over {limit}", limit)(scope, receive, send)
-                return
+                raise _too_large(f"over {limit}", limit)
+            self._reserve(reservation, size, budget)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        body: Message | None = {"type": "http.request", "body": b"".join(chunks)}
-        chunks.clear()
+                return {"type": "http.request", "body": b"".join(chunks)}
 
-        async def replay() -> Message:
-            nonlocal body
-            if body is None:
-                return await receive()
-            message, body = body, None
-            return message
-
-        await self.app(scope, replay, send)
+    def _reserve(self, reservation: BodyReservation, size: int, budget: int) -> None:
+        """Grow `reservation` to `size` bytes, or refuse (503) when the bodies of other
+        requests leave no room for it in `budget`."""
+        if size <= reservation.size:
+            return
+        others = self.inflight_body_bytes - reservation.size
+        if others + size > budget:
+            raise Refusal(
+                503,
+                f"requests in progress hold {others} bytes of bodies (bound {budget}, the "
+                "server's --max-inflight-body-mb); retry later",
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.inflight_body_bytes += size - reservation.size
+        reservation.size = size
 
     def _authorized(self, path: str, headers: Headers) -> bool:
         if self.api_key is None or not path.startswith(PROTECTED_PREFIX):
@@ -107,13 +182,10 @@ class RequestGuard:
         )
 
 
-def _too_large(size: str, limit: int) -> JSONResponse:
-    return JSONResponse(
-        {
-            "detail": f"request body: {size} bytes, at most {limit} are accepted "
-            "(the server's --max-body-mb)"
-        },
-        status_code=413,
+def _too_large(size: str, limit: int) -> Refusal:
+    return Refusal(
+        413,
+        f"request body: {size} bytes, at most {limit} are accepted (the server's --max-body-mb)",
     )
 
 

@@ -23,6 +23,11 @@ class ServerMetrics:
     """Prefix tokens reused from a session's cache."""
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
+    connections: int = 0
+    """Client connections open now."""
+    connections_closed_total: dict[str, int] = field(default_factory=dict)
+    """Connections the server's limits closed (connections.py), by reason: header_timeout,
+    evicted (the one idle longest, at the cap) or over_cap (a newcomer, none idle)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_tokens(self, scored: int = 0, computed: int = 0, cached: int = 0) -> None:
@@ -32,9 +37,18 @@ class ServerMetrics:
             self.cached_tokens_total += cached
 
     def count_error(self, status: int) -> None:
-        """A request refused before it reached a route (the guard's 401 and 413)."""
+        """A request refused before it reached a route (the guard's 401, 408, 413, 503)."""
         with self._lock:
             self.errors_total[status] = self.errors_total.get(status, 0) + 1
+
+    def count_connection(self, delta: int) -> None:
+        """A connection opened (+1) or lost (-1)."""
+        with self._lock:
+            self.connections += delta
+
+    def count_closed_connection(self, reason: str) -> None:
+        with self._lock:
+            self.connections_closed_total[reason] = self.connections_closed_total.get(reason, 0) + 1
 
     def observe_request(self, items: int, latency_s: float, status: int) -> None:
         with self._lock:
@@ -67,6 +81,13 @@ class ServerMetrics:
                 f"opd_teacher_tokens_computed_total {self.tokens_computed_total}",
                 "# TYPE opd_teacher_cache_hit_tokens_total counter",
                 f"opd_teacher_cache_hit_tokens_total {self.cached_tokens_total}",
+                "# TYPE opd_teacher_connections gauge",
+                f"opd_teacher_connections {self.connections}",
+                "# TYPE opd_teacher_connections_closed_total counter",
+                *(
+                    f'opd_teacher_connections_closed_total{{reason="{reason}"}} {count}'
+                    for reason, count in sorted(self.connections_closed_total.items())
+                ),
                 "# TYPE opd_teacher_request_latency_seconds histogram",
             ]
             cumulative = 0

@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
-    """Yields the base URL; stops the server (running its shutdown) on exit."""
+def serve_in_thread(app: Any, startup_timeout_s: float = 60.0, **options: Any) -> Iterator[str]:
+    """Yields the base URL; stops the server (running its shutdown) on exit. `options`: more
+    uvicorn.Config arguments (`http=` a protocol class)."""
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
@@ -32,6 +33,7 @@ def serve_in_thread(app: Any, startup_timeout_s: float = 60.0) -> Iterator[str]:
             log_level="warning",
             lifespan="on",
             timeout_keep_alive=int(SERVICE_KEEP_ALIVE_S),
+            **options,
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)

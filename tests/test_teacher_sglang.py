@@ -217,7 +217,7 @@ def test_a_request_over_the_token_budget_is_a_413_that_never_reaches_sglang(
         assert info["max_request_tokens"] == 2 * 1023
         refused = httpx.post(f"{url}/v1/score", json={"requests": [item] * 3})
         assert refused.status_code == 413, refused.text
-        assert "3000 ids in one request" in refused.json()["detail"]
+        assert "costs 3000 tokens" in refused.json()["detail"]
         assert len(httpx.get(f"{standin_url}/standin/headers").json()) == calls_before
         served = httpx.post(f"{url}/v1/score", json={"requests": [item] * 2}, timeout=60)
         assert served.status_code == 200, served.text
