@@ -5,9 +5,10 @@ error per bad value, then serializes the answer on the event loop too: a body of
 of bad values held the loop for seconds (health checks stalled), allocated hundreds of
 times its size and was answered with tens of MB of errors. Here, per request:
 
-1. the body is validated in a worker thread, in one pass over its bytes (pydantic's own
-   JSON parser, lists stopping at their first bad value: api.RequestBody); the 422 names
-   at most MAX_PROBLEMS problems of at most MAX_PROBLEM_CHARS characters each;
+1. the body is validated off the event loop, in one pass over its bytes (pydantic's own
+   JSON parser, lists stopping at their first bad value: api.RequestBody), a large one
+   first in a process of its own (validate); the 422 names at most MAX_PROBLEMS problems
+   of at most MAX_PROBLEM_CHARS characters each;
 2. it is admitted by its cost in tokens (backend.request_tokens: ids, and the top-k rows
    of its answer) against the TokenBudget of everything being served: 413 past the
    budget's whole, 503 with Retry-After while others hold it;
@@ -23,7 +24,11 @@ body was read): an endpoint takes exactly its body model.
 from __future__ import annotations
 
 import asyncio
+import functools
+import multiprocessing
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from fastapi.routing import APIRoute
@@ -41,6 +46,8 @@ from teacher_server.backend import (
 )
 
 MAX_PROBLEMS = 5
+PROCESS_CHECK_BYTES = 256 * 1024
+"""Bodies at least this large are checked in another process first (validate)."""
 MAX_PROBLEM_CHARS = 300
 RETRY_AFTER_S = 1
 JSON = "application/json"
@@ -121,6 +128,40 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         raise InvalidBody("; ".join(problems) + more) from None
 
 
+def check_body(model: type[BaseModel], body: bytes) -> str | None:
+    """What is wrong with `body` (InvalidBody's message), or None: run in the checker
+    process, whose parse holds no lock of the service's."""
+    try:
+        parse_body(model, body)
+    except InvalidBody as err:
+        return str(err)
+    return None
+
+
+@functools.cache
+def body_checker() -> ProcessPoolExecutor:
+    """One process that validates large bodies before this one parses them (spawned: the
+    service's threads make a fork unsafe); a body at a time, so its memory is one body's."""
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+
+async def validate(model: type[BaseModel], body: bytes) -> BaseModel:
+    """`model` from `body`, or InvalidBody. pydantic parses the whole JSON before it
+    validates, holding the interpreter's lock (about 25 ms per MB of ids), so a large body
+    is first checked in body_checker(): a bad one then costs this process its bytes only,
+    and a good one is parsed here as any request is."""
+    if len(body) >= PROCESS_CHECK_BYTES:
+        loop = asyncio.get_running_loop()
+        try:
+            problem = await loop.run_in_executor(body_checker(), check_body, model, body)
+        except BrokenProcessPool:  # the checker died (killed, out of memory): a new one next
+            body_checker.cache_clear()
+            problem = None  # parsed here, as a small body is
+        if problem is not None:
+            raise InvalidBody(problem)
+    return await asyncio.to_thread(parse_body, model, body)
+
+
 class JSONBodyRoute(APIRoute):
     """A POST route served as the module docstring says. Subclass it with `budget` and
     `count_error` set (json_body_route)."""
@@ -138,7 +179,7 @@ class JSONBodyRoute(APIRoute):
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await Request(scope, receive).body()
         try:
-            parsed = await asyncio.to_thread(parse_body, self.body_model, body)
+            parsed = await validate(self.body_model, body)
         except InvalidBody as err:
             await self._refuse(422, str(err), scope, receive, send)
             return

@@ -45,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from teacher_server.metrics import ServerMetrics
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_WRITE_TIMEOUT_S = 60.0
 DESCRIPTOR_RESERVE = 1024
 """Descriptors the default cap leaves to the rest of the service: model files, logs, the
 backend's sockets, and sockets accepted but not yet counted (see accept_backlog)."""
@@ -79,10 +80,15 @@ class ConnectionLimits(BaseModel):
     header_timeout_s: float = Field(default=DEFAULT_HEADER_TIMEOUT_S, gt=0)
     """Seconds from waiting for a request (opened, or a first byte after a response) until
     its headers are complete; then the connection is closed."""
+    write_timeout_s: float = Field(default=DEFAULT_WRITE_TIMEOUT_S, gt=0)
+    """Seconds an answer may wait for the client to take any of it (the transport's buffer
+    over its high-water mark, nothing read); then the connection is dropped, so a client
+    that never reads its answer does not hold the answer, and what it cost, forever."""
 
 
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline and a connection cap (ConnectionLimits).
+    """uvicorn's h11 protocol with a header deadline, a write deadline and a connection cap
+    (ConnectionLimits).
     Use the class `bounded_protocol` makes: the idle table is shared by one server's
     connections. Assumes no websocket upgrades (serve runs uvicorn with ws="none")."""
 
@@ -94,6 +100,7 @@ class BoundedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_deadline: asyncio.TimerHandle | None = None
+        self.write_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -125,8 +132,20 @@ class BoundedH11Protocol(H11Protocol):
             self.idle.pop(self, None)
             self.idle[self] = None
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_deadline is None:
+            self.write_deadline = self.loop.call_later(
+                self.limits.write_timeout_s, self._drop, "write_timeout"
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_deadline()
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        self._cancel_write_deadline()
         self._cancel_header_deadline()
         self.idle.pop(self, None)
         if self.metrics is not None:
@@ -148,6 +167,18 @@ class BoundedH11Protocol(H11Protocol):
         if self.header_deadline is not None:
             self.header_deadline.cancel()
             self.header_deadline = None
+
+    def _cancel_write_deadline(self) -> None:
+        if self.write_deadline is not None:
+            self.write_deadline.cancel()
+            self.write_deadline = None
+
+    def _drop(self, reason: str) -> None:
+        """Abort: close() would wait for a buffer the client never takes."""
+        self.write_deadline = None
+        self.transport.abort()
+        if self.metrics is not None:
+            self.metrics.count_closed_connection(reason)
 
     def _close(self, reason: str) -> None:
         self._cancel_header_deadline()

@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 
 from slime_ext.models.factory import build_checkpoint
-from teacher_server import hf_backend
+from teacher_server import body_route, hf_backend
 from teacher_server.api import ScoreItem, ScoreRequest, ScoreResult, TrajectoryScoreRequest
 from teacher_server.app import create_app
 from teacher_server.hf_backend import HFBackend, ScoreJob
@@ -291,3 +291,31 @@ def test_a_client_that_leaves_has_its_queued_work_dropped(model_dir: Path, leave
         assert b_answer == [] and 77 not in lengths, lengths
     else:
         assert b_answer == [200] and 77 in lengths, lengths
+
+
+def test_large_bodies_are_checked_in_another_process_that_may_die(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over PROCESS_CHECK_BYTES a body is checked in body_checker()'s process first: good
+    ones are then served as any, bad ones refused from there; a checker that died is
+    replaced, and the body in hand is still answered."""
+    monkeypatch.setattr(body_route, "PROCESS_CHECK_BYTES", 1024)
+    metrics = ServerMetrics()
+    backend = HFBackend(model_dir, metrics, max_context=MAX_CONTEXT)
+    good = _body(ScoreItem(input_ids=_ids(600), span_start=590))
+    bad = {"requests": [{"input_ids": [-1] * 600, "span_start": 1}]}
+    with (
+        serve_in_thread(create_app(backend, metrics)) as url,
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
+        assert http.post("/v1/score", json=good).status_code == 200
+        refused = http.post("/v1/score", json=bad)
+        assert refused.status_code == 422 and "input_ids.0" in refused.json()["detail"]
+        checker = body_route.body_checker()
+        assert checker._processes  # the check ran there
+        for process in list(checker._processes.values()):
+            process.kill()
+            process.join(10)
+        assert http.post("/v1/score", json=good).status_code == 200
+        assert http.post("/v1/score", json=bad).status_code == 422
+        assert body_route.body_checker() is not checker

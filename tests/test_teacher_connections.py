@@ -9,6 +9,7 @@ protocol, or a guard without that limit, where the attack still works.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import socket
@@ -24,7 +25,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from typer.testing import CliRunner
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -238,6 +239,52 @@ def test_at_the_cap_with_every_connection_in_a_request_a_new_one_is_closed() -> 
         assert answer.status_code == 200
         for sock in holders:
             sock.close()
+
+
+def _big_answer_app() -> Starlette:
+    """GET /v1/big: a 32 MiB answer."""
+
+    async def big(_: Request) -> Response:
+        return Response(b"x" * BIG_ANSWER, media_type="application/octet-stream")
+
+    return Starlette(routes=[Route("/v1/big", big)])
+
+
+BIG_ANSWER = 32 * 2**20
+
+
+def _received(sock: socket.socket) -> int:
+    """Bytes read from `sock` until the server ends the connection (EOF or reset)."""
+    sock.settimeout(5)
+    total = 0
+    with contextlib.suppress(ConnectionResetError, TimeoutError):
+        while chunk := sock.recv(2**20):
+            total += len(chunk)
+            if total > BIG_ANSWER:
+                break
+    return total
+
+
+@pytest.mark.timeout(60)
+def test_an_answer_the_client_never_reads_is_dropped_at_the_write_deadline() -> None:
+    """A client that asks and never reads leaves the answer in the server's buffer for as
+    long as it likes (uvicorn's close waits for the buffer): the write deadline drops it."""
+    for defended in (True, False):
+        metrics = ServerMetrics()
+        limits = ConnectionLimits(max_connections=CAP, write_timeout_s=0.5)
+        protocol = bounded_protocol(limits, metrics) if defended else H11Protocol
+        with serve_in_thread(_big_answer_app(), http=protocol) as url, socket.socket() as sock:
+            host, port = url.removeprefix("http://").split(":")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.sendall(b"GET /v1/big HTTP/1.1\r\nHost: t\r\n\r\n")
+            time.sleep(3)  # never read
+            received = _received(sock)
+        if defended:
+            assert received < BIG_ANSWER
+            assert metrics.connections_closed_total.get("write_timeout") == 1
+        else:  # the control: the server still held the whole answer for this client
+            assert received > BIG_ANSWER
 
 
 @pytest.mark.timeout(30)
