@@ -85,7 +85,8 @@ def admit(pending: int, count: int, max_queue: int) -> None:
 def item_tokens(item: ScoreItem) -> int:
     """What one item costs the server: its ids once, and each scored position top_k more
     times (the top-k ids and log-probs it answers with)."""
-    return len(item.input_ids) + (len(item.input_ids) - item.span_start) * item.top_k
+    span = max(0, len(item.input_ids) - item.span_start)  # past the end: a 400 later
+    return len(item.input_ids) + span * item.top_k
 
 
 def request_tokens(body: object) -> int:

@@ -14,8 +14,10 @@ times its size and was answered with tens of MB of errors. Here, per request:
    budget's whole, 503 with Retry-After while others hold it;
 3. the endpoint runs until it answers or the client leaves: a client that disconnects
    has its work cancelled (queued items are then never computed);
-4. the answer is serialized in a worker thread; the reservation is returned once it is
-   sent.
+4. the answer is serialized in a worker thread and sent a chunk at a time, each once the
+   client took the one before (send_in_chunks); the reservation is returned once the last
+   is handed over: what a finished answer still holds is its last chunk and the kernel's
+   send buffer (connections.SEND_BUFFER_BYTES), per connection.
 
 Path parameters and dependencies are not resolved (the guard checked the key before the
 body was read): an endpoint takes exactly its body model.
@@ -48,6 +50,8 @@ from teacher_server.backend import (
 MAX_PROBLEMS = 5
 PROCESS_CHECK_BYTES = 256 * 1024
 """Bodies at least this large are checked in another process first (validate)."""
+ANSWER_CHUNK = 256 * 1024
+"""Bytes of an answer handed to the server at a time (send_in_chunks)."""
 MAX_PROBLEM_CHARS = 300
 RETRY_AFTER_S = 1
 JSON = "application/json"
@@ -196,10 +200,11 @@ class JSONBodyRoute(APIRoute):
             return
         try:
             answer = await until_disconnect(self.endpoint(parsed), receive)
-            if not isinstance(answer, Response):
+            if isinstance(answer, Response):  # an error's short answer
+                await answer(scope, receive, send)
+            else:
                 serialize = type(answer).__pydantic_serializer__.to_json
-                answer = Response(await asyncio.to_thread(serialize, answer), media_type=JSON)
-            await answer(scope, receive, send)
+                await send_in_chunks(await asyncio.to_thread(serialize, answer), send)
         except ClientLeft:
             return
         finally:
@@ -222,6 +227,24 @@ def json_body_route(budget: TokenBudget, count_error: Callable[[int], None]) -> 
         (JSONBodyRoute,),
         {"budget": budget, "count_error": staticmethod(count_error)},
     )
+
+
+async def send_in_chunks(content: bytes, send: Send) -> None:
+    """A 200 JSON answer, ANSWER_CHUNK bytes per message: the server's send waits while the
+    client has not taken the previous ones, so an answer still being sent stays in the
+    token budget instead of sitting whole in the connection's buffer."""
+    headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(content)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    view = memoryview(content)
+    for start in range(0, max(len(content), 1), ANSWER_CHUNK):
+        end = start + ANSWER_CHUNK
+        await send(
+            {
+                "type": "http.response.body",
+                "body": bytes(view[start:end]),
+                "more_body": end < len(content),
+            }
+        )
 
 
 async def until_disconnect(work: Awaitable[T], receive: Receive) -> T:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,9 @@ from teacher_server.metrics import ServerMetrics
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_WRITE_TIMEOUT_S = 60.0
+SEND_BUFFER_BYTES = 256 * 1024
+"""SO_SNDBUF of a connection (the kernel doubles it): a finished answer the client has not
+read holds at most this in the kernel, instead of autotuning's up to 4 MiB."""
 DESCRIPTOR_RESERVE = 1024
 """Descriptors the default cap leaves to the rest of the service: model files, logs, the
 backend's sockets, and sockets accepted but not yet counted (see accept_backlog)."""
@@ -104,6 +108,9 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # what an answer nobody reads may hold in the kernel
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         if self.metrics is not None:
             self.metrics.count_connection(+1)
         # self is counted in self.connections (uvicorn's set); so are connections closed

@@ -41,12 +41,18 @@ def default_max_body_bytes(info: ServerInfo) -> int:
 
 
 class Refusal(Exception):
-    """A request the guard answers itself, with `response`, and counts (count_error)."""
+    """A request the guard answers itself, with `response`, and counts (count_error). The
+    answer closes the connection: the body behind it is left unread, and a client that
+    went on sending it would otherwise have it read and dropped."""
 
     def __init__(self, status_code: int, detail: str, headers: dict[str, str] | None = None):
         super().__init__(detail)
         self.status_code = status_code
-        self.response = JSONResponse({"detail": detail}, status_code=status_code, headers=headers)
+        self.response = JSONResponse(
+            {"detail": detail},
+            status_code=status_code,
+            headers={**(headers or {}), "Connection": "close"},
+        )
 
 
 @dataclass
@@ -58,12 +64,13 @@ class BodyReservation:
 
 class RequestGuard:
     """Refuses from the headers, before the body is read: 401 for a missing or wrong bearer
-    token under PROTECTED_PREFIX, 413 for a Content-Length over `max_body_bytes()`, 503
-    (Retry-After) while the bodies other requests hold leave no room for it in
+    token under PROTECTED_PREFIX, 413 for a body on a request that takes none (takes_body)
+    or a Content-Length over `max_body_bytes()`. A body is reserved in
     `max_inflight_body_bytes` (default INFLIGHT_BODIES x the body limit, never less than
-    one body). A body without Content-Length (chunked) is counted while it streams in, and
-    refused the same way once past either limit, never read past it. A body not complete
-    within `body_timeout_s` of its headers is answered 408 and its connection closed.
+    one body) as its bytes arrive, so that a declared length nobody sends holds nothing;
+    503 (Retry-After) once the bodies of other requests leave no room, 413 past the body
+    limit, never read past either. A body not complete within `body_timeout_s` of its
+    headers is answered 408 and its connection closed.
 
     The body then reaches the app whole, as one message; its bytes stay reserved until the
     app returned (its answer was sent), so buffered bodies stay within the budget."""
@@ -101,6 +108,9 @@ class RequestGuard:
                 return
             if body is None:  # the client left: nothing to answer
                 return
+            if not takes_body(scope):  # nothing was read: the app reads as it would
+                await self.app(scope, receive, send)
+                return
 
             async def replay() -> Message:
                 nonlocal body
@@ -120,13 +130,15 @@ class RequestGuard:
         headers = Headers(scope=scope)
         if not self._authorized(scope["path"], headers):
             raise Refusal(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        declared = headers.get("content-length")
+        if not takes_body(scope):
+            if (declared or "0") != "0" or "transfer-encoding" in headers:
+                raise Refusal(413, f"{scope['method']} {scope['path']} takes no body")
+            return {"type": "http.request", "body": b""}  # not read: __call__ passes receive
         limit = self.max_body_bytes()
         budget = max(limit, self.max_inflight_body_bytes or INFLIGHT_BODIES * limit)
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit():
-            if int(declared) > limit:
-                raise _too_large(declared, limit)
-            self._reserve(reservation, int(declared), budget)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(declared, limit)
         try:
             return await asyncio.wait_for(
                 self._receive_body(receive, limit, budget, reservation), self.body_timeout_s
@@ -136,7 +148,6 @@ class RequestGuard:
                 408,
                 f"request body: not complete {self.body_timeout_s:g} s after its headers "
                 "(the server's --body-timeout-s)",
-                {"Connection": "close"},
             ) from None
 
     async def _receive_body(
@@ -180,6 +191,13 @@ class RequestGuard:
         return scheme.lower() == "bearer" and secrets.compare_digest(
             token.encode(), self.api_key.encode()
         )
+
+
+def takes_body(scope: Scope) -> bool:
+    """Only POSTs under PROTECTED_PREFIX take a body: no other request can make the guard
+    wait for, or hold, body bytes (a keyless GET /health declaring a body would otherwise
+    hold a connection and the body budget until the body deadline)."""
+    return scope["method"] == "POST" and scope["path"].startswith(PROTECTED_PREFIX)
 
 
 def _too_large(size: str, limit: int) -> Refusal:

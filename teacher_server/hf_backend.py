@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -319,6 +320,7 @@ class MicroBatcher(Generic[Job]):
         if self._worker:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        self.pending = 0
         while queue is not None and not queue.empty():
             _, future = queue.get_nowait()
             if not future.done():
@@ -333,10 +335,9 @@ class MicroBatcher(Generic[Job]):
         self.pending += len(jobs)
         for job, future in zip(jobs, futures, strict=True):
             self._queue.put_nowait((job, future))
-        try:
-            return list(await asyncio.gather(*futures))
-        finally:
-            self.pending -= len(jobs)
+        # counted until the worker is done with them: a cancelled request's jobs stay in
+        # the queue, and in the bound, until it drops them
+        return list(await asyncio.gather(*futures))
 
     async def _run(self, queue: asyncio.Queue[tuple[Job, asyncio.Future[ScoreResult]]]) -> None:
         while True:
@@ -355,6 +356,8 @@ class MicroBatcher(Generic[Job]):
                 results = await asyncio.to_thread(self.run_batch, [job for job, _ in live])
             except Exception as err:
                 results = [BackendFailure(f"batch failed: {err}")] * len(live)
+            finally:  # queued or computed until now, whether their requests are there or not
+                self.pending -= len(batch)
             for (_, future), result in zip(live, results, strict=True):
                 if future.done():
                     continue
@@ -362,6 +365,10 @@ class MicroBatcher(Generic[Job]):
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+
+
+def _one_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="opd-teacher-trajectory")
 
 
 class LimitsError(ValueError):
@@ -427,6 +434,7 @@ class HFBackend:
         self.batcher: MicroBatcher[ScoreJob] = MicroBatcher(
             self.scorer.score_batch, max_batch_size, max_wait_ms / 1000.0, max_queue
         )
+        self._trajectories = _one_thread()
 
     def info(self) -> ServerInfo:
         return self._info
@@ -461,9 +469,11 @@ class HFBackend:
 
     async def start(self) -> None:
         self.batcher.start()
+        self._trajectories = _one_thread()  # a stopped backend may start again
 
     async def stop(self) -> None:
         await self.batcher.stop()
+        self._trajectories.shutdown(wait=False, cancel_futures=True)
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
         check_items(items, self._info)
@@ -486,8 +496,11 @@ class HFBackend:
 
     async def score_trajectory(self, request: TrajectoryScoreRequest) -> list[ScoreResult]:
         check_trajectory(request, self._info)
-        # read-only inference: safe beside the batcher's worker thread
-        return await asyncio.to_thread(self.scorer.score_packed, request)
+        # read-only inference: safe beside the batcher's worker thread. One at a time in
+        # its own thread: a forward cannot be stopped once started, so requests whose
+        # clients left leave at most one running, and those still queued never start
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._trajectories, self.scorer.score_packed, request)
 
     def metrics_text(self) -> str:
         sessions = self.scorer.sessions

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ from slime_ext.models.factory import build_checkpoint
 from teacher_server import body_route, hf_backend
 from teacher_server.api import ScoreItem, ScoreRequest, ScoreResult, TrajectoryScoreRequest
 from teacher_server.app import create_app
-from teacher_server.hf_backend import HFBackend, ScoreJob
+from teacher_server.backend import Overloaded, item_tokens
+from teacher_server.hf_backend import HFBackend, MicroBatcher, ScoreJob
 from teacher_server.metrics import ServerMetrics
 from tests.live_server import serve_in_thread
 
@@ -319,3 +321,80 @@ def test_large_bodies_are_checked_in_another_process_that_may_die(
         assert http.post("/v1/score", json=good).status_code == 200
         assert http.post("/v1/score", json=bad).status_code == 422
         assert body_route.body_checker() is not checker
+
+
+def test_a_span_start_past_the_end_costs_no_negative_tokens(model_dir: Path) -> None:
+    """A negative cost would have admitted everything after it (review of issue 39)."""
+    past = ScoreItem(input_ids=_ids(10), span_start=10**30, top_k=5)
+    assert item_tokens(past) == 10
+    metrics = ServerMetrics()
+    app = create_app(HFBackend(model_dir, metrics, max_context=MAX_CONTEXT), metrics)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        answer = http.post("/v1/score", json=_body(past))
+        assert answer.status_code == 400 and "span_start" in answer.json()["detail"]
+
+
+def test_jobs_of_requests_that_left_count_in_the_queue_until_dropped() -> None:
+    """While the worker is busy, requests that are cancelled leave their jobs queued: they
+    count against max_queue until the worker drops them, so the queue cannot grow past it
+    (before, each cancel gave its room back while its jobs stayed)."""
+
+    async def run() -> tuple[int, int]:
+        busy = threading.Event()
+        batcher: MicroBatcher[int] = MicroBatcher(
+            lambda jobs: [ScoreResult(logprobs=[]) for _ in jobs] if busy.wait(30) else [],
+            max_batch_size=1,
+            max_wait_s=0.0,
+            max_queue=8,
+        )
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit([0]))
+        await asyncio.sleep(0.1)  # the worker holds job 0
+        for _ in range(3):
+            leaving = asyncio.ensure_future(batcher.submit([1, 2]))
+            await asyncio.sleep(0.01)
+            leaving.cancel()
+        await asyncio.sleep(0.05)
+        queued = batcher.pending  # job 0 and the 6 left behind
+        with pytest.raises(Overloaded):  # 7 + 2 > 8 (admitted, it would wait: a timeout)
+            await asyncio.wait_for(batcher.submit([3, 4]), 1)
+        busy.set()
+        await first
+        await asyncio.sleep(0.2)  # the worker drops the cancelled jobs
+        drained = batcher.pending
+        await batcher.stop()
+        return queued, drained
+
+    assert asyncio.run(run()) == (7, 0)
+
+
+def test_an_answer_being_sent_holds_its_tokens_until_the_client_takes_it(
+    model_dir: Path,
+) -> None:
+    """Answers go out a chunk at a time: one that a client does not read keeps its tokens
+    in the budget (another such request waits, 503), and gives them back when the client
+    leaves, instead of sitting whole in the connection's buffer outside the budget."""
+    metrics = ServerMetrics()
+    backend = HFBackend(
+        model_dir, metrics, max_context=MAX_CONTEXT, max_top_k=200, max_request_tokens=10**6
+    )
+    wide = ScoreItem(input_ids=_ids(1000), span_start=2, top_k=200)  # about 5 MB of JSON
+    app = create_app(backend, metrics, max_inflight_tokens=item_tokens(wide) + 10)
+    body = json.dumps(_body(wide)).encode()
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.socket() as reader:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect((host, int(port)))
+            reader.sendall(
+                b"POST /v1/score HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            time.sleep(3)  # scored, serialized, partly sent; never read
+            busy = http.post("/v1/score", json=_body(wide))
+            assert busy.status_code == 503, busy.text[:200]
+        deadline = time.monotonic() + 10
+        while (answer := http.post("/v1/score", json=_body(wide))).status_code == 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert answer.status_code == 200

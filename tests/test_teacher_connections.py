@@ -496,3 +496,34 @@ def test_idle_connections_past_the_descriptor_limit_leave_keyed_clients_served(
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@pytest.mark.timeout(30)
+def test_a_body_on_a_request_that_takes_none_is_refused_from_the_headers() -> None:
+    """Only POSTs under /v1/ take a body: a keyless GET /health declaring one is answered
+    413 at once and its connection closed, so it holds neither a connection in a request
+    nor the body budget until the body deadline (review of issue 39)."""
+    guard = _app()
+    with serve_in_thread(guard, http=_bounded()) as url:
+        for request in (
+            b"GET /health HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n",
+            b"GET /health HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"DELETE /v1/echo HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n"
+            b"Content-Length: 5\r\n\r\n",
+        ):
+            with _open(url) as sock:
+                sock.sendall(request)
+                answer = _response(sock, timeout_s=2)
+                assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+                assert b"takes no body" in answer
+                assert _closed_after(sock, 2) is not None
+        assert guard.inflight_body_bytes == 0
+        # the control: where a body is taken, the guard waits for it
+        with _open(url) as sock:
+            sock.sendall(
+                b"POST /v1/echo HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n"
+                b"Content-Length: 5\r\n\r\n"
+            )
+            sock.settimeout(1)
+            with pytest.raises(TimeoutError):
+                sock.recv(100)
