@@ -32,7 +32,7 @@ from teacher_server.backend import (
     RequestTooLarge,
     ScoringBackend,
 )
-from teacher_server.body_route import RETRY_AFTER_S, TokenBudget, json_body_route
+from teacher_server.body_route import RETRY_AFTER_S, BodyChecker, TokenBudget, json_body_route
 from teacher_server.guards import (
     DEFAULT_BODY_TIMEOUT_S,
     RequestGuard,
@@ -83,6 +83,7 @@ def create_app(
         try:
             yield
         finally:
+            checker.stop()
             await backend.stop()
 
     app = FastAPI(
@@ -99,7 +100,8 @@ def create_app(
         return max_body_bytes or default_max_body_bytes(backend.info())
 
     budget = TokenBudget(backend.info, max_inflight_tokens)
-    body_route = json_body_route(budget, metrics.count_error)
+    checker = BodyChecker()
+    body_route = json_body_route(budget, metrics.count_error, checker)
 
     app.add_middleware(
         RequestGuard,

@@ -7,7 +7,7 @@ times its size and was answered with tens of MB of errors. Here, per request:
 
 1. the body is validated off the event loop, in one pass over its bytes (pydantic's own
    JSON parser, lists stopping at their first bad value: api.RequestBody), a large one
-   first in a process of its own (validate); the 422 names at most MAX_PROBLEMS problems
+   first in a process of its own (BodyChecker); the 422 names at most MAX_PROBLEMS problems
    of at most MAX_PROBLEM_CHARS characters each;
 2. it is admitted by its cost in tokens (backend.request_tokens: ids, and the top-k rows
    of its answer) against the TokenBudget of everything being served: 413 past the
@@ -26,8 +26,10 @@ body was read): an endpoint takes exactly its body model.
 from __future__ import annotations
 
 import asyncio
-import functools
+import ctypes
 import multiprocessing
+import os
+import signal
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -49,7 +51,8 @@ from teacher_server.backend import (
 
 MAX_PROBLEMS = 5
 PROCESS_CHECK_BYTES = 256 * 1024
-"""Bodies at least this large are checked in another process first (validate)."""
+"""Bodies at least this large are checked in another process first (BodyChecker)."""
+_PR_SET_PDEATHSIG = 1
 ANSWER_CHUNK = 256 * 1024
 """Bytes of an answer handed to the server at a time (send_in_chunks)."""
 MAX_PROBLEM_CHARS = 300
@@ -142,36 +145,64 @@ def check_body(model: type[BaseModel], body: bytes) -> str | None:
     return None
 
 
-@functools.cache
-def body_checker() -> ProcessPoolExecutor:
-    """One process that validates large bodies before this one parses them (spawned: the
-    service's threads make a fork unsafe); a body at a time, so its memory is one body's."""
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+class BodyChecker:
+    """One process that validates large bodies before the service parses them: pydantic
+    parses the whole JSON before it validates, holding the interpreter's lock (about 25 ms
+    per MB of ids), so a bad large body would stall every other request; checked here
+    first, it costs the service its bytes only, and a good one is parsed as any request is.
+    A body at a time, so the process's memory is one body's. Started at the first large
+    body (spawned: the service's threads make a fork unsafe), it dies with the service
+    (PR_SET_PDEATHSIG; a killed service leaves no orphan), and stop() ends it."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    def pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_die_with_parent,
+                initargs=(os.getpid(),),
+            )
+        return self._pool
+
+    async def validate(self, model: type[BaseModel], body: bytes) -> BaseModel:
+        """`model` from `body`, or InvalidBody."""
+        if len(body) >= PROCESS_CHECK_BYTES:
+            loop = asyncio.get_running_loop()
+            try:
+                problem = await loop.run_in_executor(self.pool(), check_body, model, body)
+            except BrokenProcessPool:  # the checker died (killed, out of memory)
+                self.stop()  # a new one for the next body
+                problem = None  # this one is parsed here, as a small body is
+            if problem is not None:
+                raise InvalidBody(problem)
+        return await asyncio.to_thread(parse_body, model, body)
+
+    def stop(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            processes = list((pool._processes or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:  # a check in progress is not waited for
+                process.kill()
 
 
-async def validate(model: type[BaseModel], body: bytes) -> BaseModel:
-    """`model` from `body`, or InvalidBody. pydantic parses the whole JSON before it
-    validates, holding the interpreter's lock (about 25 ms per MB of ids), so a large body
-    is first checked in body_checker(): a bad one then costs this process its bytes only,
-    and a good one is parsed here as any request is."""
-    if len(body) >= PROCESS_CHECK_BYTES:
-        loop = asyncio.get_running_loop()
-        try:
-            problem = await loop.run_in_executor(body_checker(), check_body, model, body)
-        except BrokenProcessPool:  # the checker died (killed, out of memory): a new one next
-            body_checker.cache_clear()
-            problem = None  # parsed here, as a small body is
-        if problem is not None:
-            raise InvalidBody(problem)
-    return await asyncio.to_thread(parse_body, model, body)
+def _die_with_parent(parent: int) -> None:
+    """The checker's initializer: SIGKILL when the thread that started it ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the service died before the line above
+        os._exit(1)
 
 
 class JSONBodyRoute(APIRoute):
-    """A POST route served as the module docstring says. Subclass it with `budget` and
-    `count_error` set (json_body_route)."""
+    """A POST route served as the module docstring says. Subclass it with `budget`,
+    `count_error` and `checker` set (json_body_route)."""
 
     budget: TokenBudget
     count_error: Callable[[int], None]
+    checker: BodyChecker
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **options: Any) -> None:
         super().__init__(path, endpoint, **options)
@@ -183,7 +214,7 @@ class JSONBodyRoute(APIRoute):
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await Request(scope, receive).body()
         try:
-            parsed = await validate(self.body_model, body)
+            parsed = await self.checker.validate(self.body_model, body)
         except InvalidBody as err:
             await self._refuse(422, str(err), scope, receive, send)
             return
@@ -220,12 +251,15 @@ class JSONBodyRoute(APIRoute):
         )
 
 
-def json_body_route(budget: TokenBudget, count_error: Callable[[int], None]) -> type[APIRoute]:
-    """The route class of one app: JSONBodyRoute bound to its budget and error counter."""
+def json_body_route(
+    budget: TokenBudget, count_error: Callable[[int], None], checker: BodyChecker
+) -> type[APIRoute]:
+    """The route class of one app: JSONBodyRoute bound to its budget, error counter and
+    body checker."""
     return type(
         "JSONBodyRoute",
         (JSONBodyRoute,),
-        {"budget": budget, "count_error": staticmethod(count_error)},
+        {"budget": budget, "count_error": staticmethod(count_error), "checker": checker},
     )
 
 

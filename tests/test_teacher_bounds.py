@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +30,7 @@ from teacher_server.app import create_app
 from teacher_server.backend import Overloaded, item_tokens
 from teacher_server.hf_backend import HFBackend, MicroBatcher, ScoreJob
 from teacher_server.metrics import ServerMetrics
-from tests.live_server import serve_in_thread
+from tests.live_server import free_port, serve_in_thread, wait_until_healthy
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.timeout(300)]
 MAX_CONTEXT = 1024
@@ -298,29 +301,33 @@ def test_a_client_that_leaves_has_its_queued_work_dropped(model_dir: Path, leave
 def test_large_bodies_are_checked_in_another_process_that_may_die(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Over PROCESS_CHECK_BYTES a body is checked in body_checker()'s process first: good
-    ones are then served as any, bad ones refused from there; a checker that died is
-    replaced, and the body in hand is still answered."""
+    """Over PROCESS_CHECK_BYTES a body is checked in the app's BodyChecker process first:
+    good ones are then served as any, bad ones refused from there; a checker that died is
+    replaced, and the body in hand is still answered; the service's end ends it."""
     monkeypatch.setattr(body_route, "PROCESS_CHECK_BYTES", 1024)
     metrics = ServerMetrics()
     backend = HFBackend(model_dir, metrics, max_context=MAX_CONTEXT)
     good = _body(ScoreItem(input_ids=_ids(600), span_start=590))
     bad = {"requests": [{"input_ids": [-1] * 600, "span_start": 1}]}
-    with (
-        serve_in_thread(create_app(backend, metrics)) as url,
-        httpx.Client(base_url=url, timeout=60) as http,
-    ):
+    started = set(multiprocessing.active_children())
+    app = create_app(backend, metrics)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         assert http.post("/v1/score", json=good).status_code == 200
         refused = http.post("/v1/score", json=bad)
         assert refused.status_code == 422 and "input_ids.0" in refused.json()["detail"]
-        checker = body_route.body_checker()
-        assert checker._processes  # the check ran there
-        for process in list(checker._processes.values()):
+        checkers = set(multiprocessing.active_children()) - started
+        assert len(checkers) == 1  # the check ran there
+        for process in checkers:
             process.kill()
             process.join(10)
         assert http.post("/v1/score", json=good).status_code == 200
         assert http.post("/v1/score", json=bad).status_code == 422
-        assert body_route.body_checker() is not checker
+        replaced = set(multiprocessing.active_children()) - started
+        assert len(replaced) == 1 and not replaced & checkers
+    deadline = time.monotonic() + 10  # stopped with the service
+    while set(multiprocessing.active_children()) - started:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 def test_a_span_start_past_the_end_costs_no_negative_tokens(model_dir: Path) -> None:
@@ -398,3 +405,39 @@ def test_an_answer_being_sent_holds_its_tokens_until_the_client_takes_it(
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert answer.status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_service_leaves_no_body_checker_behind(model_dir: Path, tmp_path: Path) -> None:
+    """The checker dies with the service even when the service is SIGKILLed (before, each
+    killed or exited service left its checker waiting on its queue for ever)."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir),
+             "--port", str(port), "--max-context", str(MAX_CONTEXT)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, server, log)
+        bad = {"requests": [{"input_ids": [-1] * 200_000, "span_start": 1}]}  # over 256 KiB
+        assert httpx.post(f"{url}/v1/score", json=bad, timeout=60).status_code == 422
+        # the checker, and multiprocessing's resource tracker beside it
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+        assert any(b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children)
+    finally:
+        server.kill()
+        server.wait(30)
+    deadline = time.monotonic() + 10
+    while alive := [c for c in children if _state(int(c)) not in ("gone", "Z")]:
+        assert time.monotonic() < deadline, f"{alive} outlived the service"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
