@@ -138,6 +138,8 @@ done
 exit 1
 """
 # Who runs commands (numeric ids for tar headers), and the pid of the main process.
+PROBE_KEEPER_S = 10.0
+"""How long the probe waits for the container's init to have started its keeper process."""
 _PROBE = """
 id -u && id -g || exit 1
 command -v "$0" >/dev/null || { echo "the image has no shell $0" >&2; exit 1; }
@@ -515,11 +517,20 @@ class DockerSandbox(StartsAndCloses):
     def _probe(self) -> None:
         """Learn the user's ids and the main process; refuse an image that cannot run
         commands as configured."""
-        try:
-            exit_code, out = self._run_quick(["/bin/sh", "-c", _PROBE, self.config.shell])
-        except _DOCKER_FAILURES as exc:
-            raise SandboxStartError(f"cannot run a command in the new container: {exc}") from exc
-        lines = out.decode(errors="replace").split()
+        deadline = time.monotonic() + PROBE_KEEPER_S
+        while True:
+            try:
+                exit_code, out = self._run_quick(["/bin/sh", "-c", _PROBE, self.config.shell])
+            except _DOCKER_FAILURES as exc:
+                raise SandboxStartError(
+                    f"cannot run a command in the new container: {exc}"
+                ) from exc
+            lines = out.decode(errors="replace").split()
+            # the ids, but no keeper yet: under load the init may not have started it
+            waiting = exit_code == 0 and len(lines) == 2 and all(x.isdigit() for x in lines)
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         if exit_code != 0 or len(lines) < 3 or not all(x.isdigit() for x in lines[:3]):
             raise SandboxStartError(
                 f"the image {self.config.image} cannot run commands as user "
