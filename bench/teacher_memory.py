@@ -253,8 +253,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, *options: str) -> Iterator[tuple[str, int]]:
-    """(url, pid) of `opd-teacher serve` on 127.0.0.1 with the bench's key."""
+def serving(
+    model_dir: Path, *options: str, cpus: set[int] | None = None
+) -> Iterator[tuple[str, int]]:
+    """(url, pid) of `opd-teacher serve` on 127.0.0.1 with the bench's key; on `cpus` only
+    (its body checker too) when given."""
     port = _free_port()
     env = {
         **os.environ,
@@ -268,7 +271,12 @@ def serving(model_dir: Path, *options: str) -> Iterator[tuple[str, int]]:
         "--port", str(port), "--no-request-log", *options,
     ]  # fmt: skip
     server = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        command,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -505,22 +513,39 @@ def attack(url: str, idle: int) -> None:
     invalid_bodies()
 
 
+def split_cpus() -> tuple[set[int] | None, set[int] | None]:
+    """The service's cores and the clients' (half each): an attacker is another machine,
+    whose sending should not take the service's cores. None, None on one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None, None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
 def hostile(args: argparse.Namespace, model_dir: Path) -> bool:
     options = ["--max-context", str(args.max_context), "--max-body-mb", "16"]
+    service_cpus, client_cpus = split_cpus()
     print(
         f"\nhostile load: {args.clients} keyed clients scoring 8-token spans for "
         f"{args.seconds:g} s alone and {args.seconds:g} s beside {args.idle} idle "
         "unauthenticated connections and a stream of 4 MiB invalid bodies (keyed and not), "
-        f"alternated in {ROUNDS} rounds"
+        f"alternated in {ROUNDS} rounds; the service on cores {service_cpus}, the clients on "
+        f"{client_cpus} with the attacker beside them at nice 19 (a machine of its own would "
+        "not take their cores)"
     )
+    if client_cpus is not None:
+        os.sched_setaffinity(0, client_cpus)
     quiet: list[float] = []
     loud: list[float] = []
-    with serving(model_dir, *options) as (url, _):
+    with serving(model_dir, *options, cpus=service_cpus) as (url, _):
         _keyed_latencies(url, 2, args.clients)  # warm-up
         for _ in range(ROUNDS):  # alternated, so that drift in the machine's load falls on both
             quiet += _keyed_latencies(url, args.seconds / ROUNDS, args.clients)
             command = [sys.executable, __file__, "--attack", url, "--idle", str(args.idle)]
-            attacker = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+            attacker = subprocess.Popen(
+                command, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19)
+            )
             time.sleep(2)
             try:
                 loud += _keyed_latencies(url, args.seconds / ROUNDS, args.clients)

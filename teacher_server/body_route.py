@@ -53,6 +53,7 @@ MAX_PROBLEMS = 5
 PROCESS_CHECK_BYTES = 256 * 1024
 """Bodies at least this large are checked in another process first (BodyChecker)."""
 _PR_SET_PDEATHSIG = 1
+CHECKER_NICENESS = 10
 ANSWER_CHUNK = 256 * 1024
 """Bytes of an answer handed to the server at a time (send_in_chunks)."""
 MAX_PROBLEM_CHARS = 300
@@ -151,8 +152,9 @@ class BodyChecker:
     per MB of ids), so a bad large body would stall every other request; checked here
     first, it costs the service its bytes only, and a good one is parsed as any request is.
     A body at a time, so the process's memory is one body's. Started at the first large
-    body (spawned: the service's threads make a fork unsafe), it dies with the service
-    (PR_SET_PDEATHSIG; a killed service leaves no orphan), and stop() ends it."""
+    body (spawned: the service's threads make a fork unsafe), at a lower priority than the
+    service, it dies with the service (PR_SET_PDEATHSIG; a killed service leaves no
+    orphan), and stop() ends it."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
@@ -162,7 +164,7 @@ class BodyChecker:
             self._pool = ProcessPoolExecutor(
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_die_with_parent,
+                initializer=_checker_init,
                 initargs=(os.getpid(),),
             )
         return self._pool
@@ -189,11 +191,13 @@ class BodyChecker:
                 process.kill()
 
 
-def _die_with_parent(parent: int) -> None:
-    """The checker's initializer: SIGKILL when the thread that started it ends."""
+def _checker_init(parent: int) -> None:
+    """The checker's initializer: SIGKILL when the thread that started it ends, and a lower
+    priority than the service (where they share a core, serving comes first)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the service died before the line above
         os._exit(1)
+    os.nice(CHECKER_NICENESS)
 
 
 class JSONBodyRoute(APIRoute):
