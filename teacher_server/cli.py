@@ -100,9 +100,9 @@ def serve(
         int | None,
         typer.Option(
             min=1,
-            help="ids of one request (all items) at most; more is 413, never a retryable "
-            "503. Default: max-batch-size items (sglang: 64 concurrent items) of the max "
-            "context.",
+            help="Tokens of one request at most (all items: each input id once, each scored "
+            "position top_k more times); more is 413, never a retryable 503. Default: "
+            "max-batch-size items (sglang: 64 concurrent items) of the max context.",
         ),
     ] = None,
     max_wait_ms: Annotated[float, typer.Option(help="Batch collection window (hf).")] = 5.0,

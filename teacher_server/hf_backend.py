@@ -11,7 +11,8 @@ causal kernel, whose memory is linear in the ids (a padding mask is rows x longe
 one request of 8 items near the max context got a 1.6 GB server OOM-killed). Logits are
 computed at span positions only, one item at a time. The default max_batch_tokens is the
 max context: a forward then costs at most what one max-context item costs alone. A
-request of more than max_request_tokens ids in all is refused (413) before it is queued.
+request costing more than max_request_tokens (backend.request_tokens: its ids, and its
+top-k rows) is refused (413) before it is queued.
 
 Session requests reuse the longest prefix they share with the session's cached ids (a
 request need not extend the previous one: think is dropped, hints are inserted), and only
@@ -377,8 +378,9 @@ class LimitsError(ValueError):
 
 class HFBackend:
     """`max_batch_tokens`: padded ids of one forward at most (default: the max context);
-    `max_request_tokens`: ids of one request at most, more is 413 (default: max_batch_size
-    items of the max context, what the default body limit holds)."""
+    `max_request_tokens`: the tokens of one request at most (backend.request_tokens), more
+    is 413 (default: max_batch_size items of the max context, what the default body limit
+    holds)."""
 
     def __init__(
         self,

@@ -60,8 +60,9 @@ class SGLangBackend:
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
         self.max_request_tokens = max_request_tokens
-        """ids of one request at most (413 past it); None: max_concurrency items of the
-        max context, what SGLang is asked to hold at once for one request."""
+        """tokens of one request at most (backend.request_tokens; 413 past it); None:
+        max_concurrency items of the max context, what SGLang is asked to hold at once for
+        one request."""
         self.timeout_s = timeout_s
         self.pending = 0
         self._semaphore = asyncio.Semaphore(max_concurrency)
