@@ -91,16 +91,17 @@ class TokenBudget:
         self.max_inflight_tokens = max_inflight_tokens
         self.used = 0
 
-    def limit(self) -> int | None:
-        per_request = self.info().max_request_tokens
+    def limit(self, info: ServerInfo | None = None) -> int | None:
+        per_request = (info or self.info()).max_request_tokens
         default = None if per_request is None else INFLIGHT_REQUESTS * per_request
         return self.max_inflight_tokens or default
 
     def admit(self, tokens: int) -> None:
         """Holds `tokens` until release(); RequestTooLarge when they could never fit,
         Overloaded while others hold too much."""
-        check_request_tokens(tokens, self.info())
-        limit = self.limit()
+        info = self.info()
+        check_request_tokens(tokens, info)
+        limit = self.limit(info)
         if limit is not None:
             if tokens > limit:
                 raise RequestTooLarge(

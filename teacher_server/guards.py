@@ -98,17 +98,20 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = Headers(scope=scope)
         reservation = BodyReservation()
         try:
             try:
-                body = await self._read_body(scope, receive, reservation)
+                self._refuse_from_headers(scope, headers)
+                if not takes_body(scope):
+                    body = None
+                elif (body := await self._read_body(headers, receive, reservation)) is None:
+                    return  # the client left: nothing to answer
             except Refusal as refusal:
                 self.count_error(refusal.status_code)
                 await refusal.response(scope, receive, send)
                 return
-            if body is None:  # the client left: nothing to answer
-                return
-            if not takes_body(scope):  # nothing was read: the app reads as it would
+            if body is None:  # nothing was read: the app reads as it would
                 await self.app(scope, receive, send)
                 return
 
@@ -123,18 +126,19 @@ class RequestGuard:
         finally:
             self.inflight_body_bytes -= reservation.size
 
-    async def _read_body(
-        self, scope: Scope, receive: Receive, reservation: BodyReservation
-    ) -> Message | None:
-        """The whole body as one message, None if the client left first; raises Refusal."""
-        headers = Headers(scope=scope)
+    def _refuse_from_headers(self, scope: Scope, headers: Headers) -> None:
+        """Refusal for a missing or wrong key, or a body on a request that takes none."""
         if not self._authorized(scope["path"], headers):
             raise Refusal(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        declared = headers.get("content-length") or "0"
+        if not takes_body(scope) and (declared != "0" or "transfer-encoding" in headers):
+            raise Refusal(413, f"{scope['method']} {scope['path']} takes no body")
+
+    async def _read_body(
+        self, headers: Headers, receive: Receive, reservation: BodyReservation
+    ) -> Message | None:
+        """The whole body as one message, None if the client left first; raises Refusal."""
         declared = headers.get("content-length")
-        if not takes_body(scope):
-            if (declared or "0") != "0" or "transfer-encoding" in headers:
-                raise Refusal(413, f"{scope['method']} {scope['path']} takes no body")
-            return {"type": "http.request", "body": b""}  # not read: __call__ passes receive
         limit = self.max_body_bytes()
         budget = max(limit, self.max_inflight_body_bytes or INFLIGHT_BODIES * limit)
         if declared is not None and declared.isdigit() and int(declared) > limit:
