@@ -25,9 +25,10 @@ What is faked, and the assumptions behind it:
   paths, so tests use paths relative to the working directory.
 - `kill ... -1` inside a command (a VM's "every process of mine") would reach the test
   runner's processes on this host: a `kill` shell function (through BASH_ENV) records
-  it instead, and the stand-in then SIGKILLs every process group of that sandbox but the
-  caller's. Commands not run by bash (sh scripts, /bin/kill) are not guarded: tests must
-  not use them to kill -1.
+  it instead, and when the caller exits the stand-in SIGKILLs every process group of
+  that sandbox but the caller's (another command ending first leaves the request alone,
+  so the caller is never killed by its own sweep). Commands not run by bash (sh
+  scripts, /bin/kill) are not guarded: tests must not use them to kill -1.
 - `honor_stream_timeout=False` makes streams ignore their timeout (a stuck stream);
   `fail_next(operation, exc)` makes the next call of an operation raise `exc` (create,
   set_timeout, kill, list, is_running, run, stream, make_dir, get_info, read, write).
@@ -168,6 +169,23 @@ class _SandboxState:
         if resolved != self.root and self.root not in resolved.parents:
             raise InvalidArgumentException(f"{host} leaves the stand-in sandbox's root")
         return resolved
+
+    def take_kill_all(self, pid: int) -> bool:
+        """Whether the command `pid` asked for `kill -1` (it takes effect when that
+        command has exited, and spares it, as the kernel spares kill(-1)'s caller). Only
+        the asker's own exit consumes its request: another command ending first must not
+        act on it (it would kill the asker)."""
+        if not self.kill_all_file.exists():
+            return False
+        askers = self.kill_all_file.read_text().split()
+        if str(pid) not in askers:
+            return False
+        rest = [asker for asker in askers if asker != str(pid)]
+        if rest:
+            self.kill_all_file.write_text("".join(f"{asker}\n" for asker in rest))
+        else:
+            self.kill_all_file.unlink()
+        return True
 
     def kill_processes(self, spare: int | None = None) -> None:
         for pgid in list(self.process_groups):
@@ -509,8 +527,7 @@ class StandInCommandHandle:
         )
         returncode = await self._process.wait()
         state = self._state
-        if state.kill_all_file.exists():
-            state.kill_all_file.unlink()
+        if state.take_kill_all(self.pid):
             state.kill_processes(spare=self.pid)
         state.process_groups.discard(self.pid)
         state.require_envd()  # the sandbox died under the command: the stream says so

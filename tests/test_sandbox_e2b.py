@@ -227,6 +227,24 @@ def test_own_deadline_backs_up_a_stream_that_ignores_its_timeout_against_standin
     assert 0.4 <= result.duration_s < 5  # timeout + kill grace
 
 
+def test_standin_kill_all_acts_when_its_caller_exits_and_spares_it(
+    cloud: StandInCloud, clock: FakeClock
+) -> None:
+    """The stand-in's `kill -1` (what the sweep runs): another command ending while the
+    caller still runs must not carry it out (it killed the caller under load in CI)."""
+
+    async def go() -> list[Any]:
+        async with make(cloud, clock) as sandbox:
+            caller = sandbox.exec("kill -KILL -1; sleep 1; exit 0", 20)
+            ends_first = sandbox.exec("sleep 0.3", 20)
+            bystander = sandbox.exec("sleep 30", 20)
+            return list(await asyncio.gather(caller, ends_first, bystander))
+
+    caller, ends_first, bystander = run(go())
+    assert caller.exit_code == 0 and ends_first.exit_code == 0
+    assert bystander.exit_code == 137 and bystander.duration_s < 10
+
+
 def test_output_flood_is_killed_and_capped_against_standin(
     cloud: StandInCloud, clock: FakeClock
 ) -> None:
