@@ -16,8 +16,10 @@ what it started itself when a step fails or is interrupted (Ctrl-C), or, with
 While a step runs, the daemons started before it are checked every `watch_s` seconds: one
 that ended (its host lost, its process killed) fails the step at once, instead of leaving
 it to time out on a dead service; one the job goes on without (a sandbox host:
-`Step.needed` False) is reported once and the step goes on. A foreground step's output goes to
-run_dir/logs/<step>.log here, where the launch runs.
+`Step.needed` False) is reported once and the step goes on. Before the job itself (the
+plan's last step) runs, a daemon with `Step.restarts` left is started again instead, the
+end of its log reported as the reason (its earlier log kept beside it as <step>.log.<n>).
+A foreground step's output goes to run_dir/logs/<step>.log here, where the launch runs.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class Executor:
         self.log_dir = f"{job.logging.run_dir}/logs"
         self._lost: list[Step] = []
         """The daemons the job goes on without (Step.needed False) reported ended."""
+        self._restarted: dict[str, int] = {}
+        """How often each daemon (by name and host) was started again."""
+        self._starting = False
+        """Whether the step running comes before the job (daemons may be restarted)."""
 
     def command_for(self, host: str, command: str) -> list[str]:
         """The local argv that runs `command` in a login shell on `host`."""
@@ -96,6 +102,7 @@ class Executor:
             self.report(f"[{number}/{len(steps)}] {step.name} @ {step.host}")
             started = time.monotonic()
             daemons = [s for s in steps[: number - 1] if s.kind == "background"]
+            self._starting = number < len(steps)
             try:
                 self._run_step(step, [s for s in daemons if not s.ends_itself])
             except LaunchError as err:
@@ -156,7 +163,9 @@ class Executor:
         pid_file = shlex.quote(f"{self.log_dir}/{slug(step.name)}.pid")
         return (
             f'f={pid_file}; [ -f "$f" ] || exit {GONE}; read -r pid start < "$f"; '
-            'if [ -n "$pid" ] && [ "$(ps -o lstart= -p "$pid" 2>/dev/null)" = "$start" ]; '
+            # an empty START: the process had ended before its pid file was written
+            'if [ -n "$pid" ] && [ -n "$start" ] && '
+            '[ "$(ps -o lstart= -p "$pid" 2>/dev/null)" = "$start" ]; '
             f'then {then}; fi; rm -f "$f"; exit {GONE}'
         )
 
@@ -178,9 +187,12 @@ class Executor:
         return None
 
     def _check_daemons(self, daemons: list[Step]) -> None:
-        """Raise when a daemon the job needs ended; report (once) one it goes on without."""
+        """Raise when a daemon the job needs ended; report (once) one it goes on without.
+        Before the job, a daemon with restarts left is started again instead."""
         spare = [s for s in daemons if not s.needed and s not in self._lost]
         lost = self.ended_daemon(spare) if spare else None
+        if lost is not None and self._restart(lost):
+            lost = None
         if lost is not None:
             self._lost.append(lost)
             self.report(
@@ -188,11 +200,45 @@ class Executor:
                 f"{slug(lost.name)}.log on {lost.host}); the job goes on without it"
             )
         ended = self.ended_daemon([s for s in daemons if s.needed])
+        if ended is not None and self._restart(ended):
+            ended = None
         if ended is not None:
+            times = self._restarted.get(f"{ended.name}@{ended.host}", 0)
+            again = f", after {times} restart{'s' * (times > 1)}" if times else ""
             raise LaunchError(
                 f"the daemon '{ended.name}' on {ended.host} ended while this step ran "
-                f"(its log: {self.log_dir}/{slug(ended.name)}.log on {ended.host})"
+                f"(its log: {self.log_dir}/{slug(ended.name)}.log on {ended.host}{again})"
             )
+
+    def _restart(self, step: Step) -> bool:
+        """Start the ended daemon `step` again if it may be (before the job, restarts
+        left), reporting why it ended (its log's last lines) and keeping that log."""
+        key = f"{step.name}@{step.host}"
+        done = self._restarted.get(key, 0)
+        if not self._starting or done >= step.restarts:
+            return False
+        self._restarted[key] = done + 1
+        log = shlex.quote(f"{self.log_dir}/{slug(step.name)}.log")
+        reason = "its log could not be read"
+        try:
+            tail = subprocess.run(
+                self.command_for(step.host, f"tail -n 3 {log}; mv -f {log} {log}.{done + 1}"),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            lines = [line.strip() for line in tail.stdout.splitlines() if line.strip()]
+            reason = " | ".join(lines)[-500:] or "its log is empty"
+        except (subprocess.TimeoutExpired, OSError) as err:
+            reason = f"its log could not be read: {err}"
+        self.report(
+            f"    the daemon '{step.name}' on {step.host} ended before the job started "
+            f"({reason}); starting it again ({done + 1} of {step.restarts}; its log: "
+            f"{self.log_dir}/{slug(step.name)}.log.{done + 1} on {step.host})"
+        )
+        self._run_step(step, [])
+        return True
 
     def _run_step(self, step: Step, daemons: list[Step]) -> None:
         if step.kind == "write":

@@ -75,6 +75,11 @@ class Step:
     """False: a daemon the job goes on without (a sandbox host: the fleet places the
     sandboxes on the other hosts, and stops the job itself when every rollout of several
     steps in a row fails on its sandboxes); its end is reported, not fatal."""
+    restarts: int = 0
+    """A daemon that ends before the job itself (the plan's last step) is started: it is
+    started again up to this many times, the end of its log reported as the
+    reason (a Ray worker's `ray start` times out now and then on a loaded node, and joins
+    on the next try)."""
 
 
 @dataclass(frozen=True)
@@ -789,6 +794,11 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     return args + list(cluster.extra_train_args)
 
 
+RAY_JOIN_RESTARTS = 2
+"""How often a node's `ray start --address` that ends before the job starts is run again
+(the head's is not: the nodes joined to it would be lost with it)."""
+
+
 def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
     """Ray on every node, each `ray start --block` as a daemon step (it lives as long as
     the step, and its processes end with it), the head waited for before the others join
@@ -818,6 +828,7 @@ def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
                 f"--num-gpus {gpus} --disable-usage-stats{extra}",
                 "background",
                 gpus=gpus > 0,
+                restarts=RAY_JOIN_RESTARTS,
             )
         )
     for index, host in enumerate(hosts.sandbox):
@@ -835,6 +846,7 @@ def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
                 note="the job goes on if this host is lost: the trajectories in its sandboxes "
                 "end sandbox_error, the fleet opens the next ones on the other hosts",
                 needed=False,
+                restarts=RAY_JOIN_RESTARTS,
             )
         )
     nodes = 1 + len(hosts.workers) + len(hosts.sandbox)
@@ -891,6 +903,8 @@ def render_dry_run(steps: list[Step], log_dir: str) -> str:
         lines.append(f"# {number}. {step.name} @ {step.host} ({step.kind})")
         if step.note:
             lines.append(f"# {step.note}")
+        if step.restarts:
+            lines.append(f"# started again up to {step.restarts} times if it ends before the job")
         if step.kind == "write":
             lines.append(f"cat > {step.command} <<'EOF'\n{step.content.rstrip()}\nEOF")
         elif step.kind == "wait_http":

@@ -1420,6 +1420,63 @@ def test_a_daemon_the_job_goes_on_without_is_reported_once_and_the_step_goes_on(
     assert lines.index(ended[0]) < lines.index("the job ended: stopping its daemons")
 
 
+@pytest.mark.timeout(120)
+def test_a_daemon_that_ends_before_the_job_is_started_again_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """A Ray worker whose `ray start` times out during start-up (transient on a loaded
+    node): with Step.restarts it is started again, the end of its log reported and kept,
+    and the launch goes on; without restarts (or once they are spent, or while the job
+    itself runs) its end fails the launch as before."""
+    token = random.randrange(10**6, 10**7)
+    tries = tmp_path / "tries"
+    joined = tmp_path / "joined"
+    flaky = "bash -c " + shlex.quote(
+        f"echo x >> {tries}; if [ $(wc -l < {tries}) -lt 2 ]; then "
+        f"echo 'ray start: timed out waiting for the GCS'; exit 1; fi; "
+        f"touch {joined}; exec sleep 300.{token}"
+    )
+    wait_joined = f"for i in $(seq 300); do [ -f {joined} ] && exit 0; sleep 0.1; done; exit 1"
+    job = config_from_dict(
+        {
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+            "cluster": {"executor": "local", "remote_shell": ["bash", "-c"]},
+        }
+    )
+    lines: list[str] = []
+    executor = Executor(job, report=lines.append, watch_s=0.5)
+    try:
+        worker = Step("ray worker 1", "localhost", flaky, "background", restarts=1)
+        executor.run(
+            [worker, Step("wait", "localhost", wait_joined), Step("job", "localhost", "true")]
+        )
+        again = [line for line in lines if "ended before the job started" in line]
+        assert len(again) == 1 and "timed out waiting for the GCS" in again[0], lines
+        assert "starting it again (1 of 1" in again[0]
+        first_log = tmp_path / "run/logs/ray-worker-1.log.1"
+        assert "timed out" in first_log.read_text()
+        assert len(_daemons_of(f"sleep 300.{token}")) == 1
+        executor.stop([worker])
+
+        # the control: no restart, the same start-up failure stops the launch
+        tries.unlink()
+        joined.unlink()
+        plain = Step("ray worker 1", "localhost", flaky, "background")
+        with pytest.raises(LaunchError, match="'ray worker 1' on localhost ended"):
+            Executor(job, report=lines.append, watch_s=0.5).run(
+                [plain, Step("wait", "localhost", wait_joined), Step("job", "localhost", "true")]
+            )
+        # nor is a daemon started again once the job runs
+        ending = Step("ray worker 2", "localhost", f"sleep 1.{token}", "background", restarts=2)
+        with pytest.raises(LaunchError, match="'ray worker 2' on localhost ended"):
+            Executor(job, report=lines.append, watch_s=0.5).run(
+                [ending, Step("job", "localhost", f"sleep 20.{token}")]
+            )
+    finally:
+        for pid in _daemons_of(str(token)):
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def test_sandbox_hosts_are_daemons_the_job_outlives_in_both_renderers() -> None:
     job = load_config(ROOT / "launch/configs/swe-opd-cluster.yaml")
     steps = build_plan(job, hosts_from_config(job))
