@@ -46,6 +46,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -246,19 +247,13 @@ ROUNDS = 3
 """hostile: alone and under attack, alternated this many times."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def serving(
     model_dir: Path, *options: str, cpus: set[int] | None = None
 ) -> Iterator[tuple[str, int]]:
     """(url, pid) of `opd-teacher serve` on 127.0.0.1 with the bench's key; on `cpus` only
     (its body checker too) when given."""
-    port = _free_port()
+    port_file = Path(tempfile.mkdtemp(prefix="opd-bench-")) / "port"
     env = {
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
@@ -268,7 +263,7 @@ def serving(
     }
     command = [
         sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir),
-        "--port", str(port), "--no-request-log", *options,
+        "--port", "0", "--port-file", str(port_file), "--no-request-log", *options,
     ]  # fmt: skip
     server = subprocess.Popen(
         command,
@@ -278,14 +273,16 @@ def serving(
         text=True,
         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
-    url = f"http://127.0.0.1:{port}"
+    url = ""
     try:
         deadline = time.monotonic() + 120
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"the teacher exited: {server.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+            if not url and port_file.exists():
+                url = f"http://127.0.0.1:{int(port_file.read_text())}"
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                if url and httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError("the teacher did not start in 120 s")
@@ -297,6 +294,7 @@ def serving(
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+        shutil.rmtree(port_file.parent, ignore_errors=True)
 
 
 def _status_kib(pid: int, field: str) -> int:

@@ -71,7 +71,16 @@ def serve(
     ],
     backend: Annotated[str, typer.Option(help="hf (transformers) or sglang.")] = "hf",
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    port: Annotated[
+        int, typer.Option(help="Port to bind (0: a free one, named on the first line).")
+    ] = 8000,
+    port_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the bound port here once bound (atomically): how a caller that "
+            "started the service with --port 0 learns it, with no port probed and bound later."
+        ),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -194,6 +203,9 @@ def serve(
     chosen = _backend_name(backend)
     # the port first: a taken port is known before minutes of model loading
     listener = _listen(host, port)
+    port = int(listener.getsockname()[1])
+    if port_file is not None:
+        _write_port(port_file, port)
     try:
         limits = limits_within(raise_descriptor_limit(), max_connections, header_timeout_s)
     except TooManyConnections as err:
@@ -404,6 +416,16 @@ def _listen(host: str, port: int) -> socket.socket:
         _fail(f"cannot listen on {host}:{port}: {err.strerror or err}{hint}")
     listener.set_inheritable(True)
     return listener
+
+
+def _write_port(path: Path, port: int) -> None:
+    """`port` in `path`, written whole (a reader never sees part of it)."""
+    try:
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(f"{port}\n")
+        partial.replace(path)
+    except OSError as err:
+        _fail(f"cannot write --port-file {path}: {err.strerror or err}")
 
 
 def _fail(message: str) -> NoReturn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -13,18 +14,40 @@ import uvicorn
 
 from teacher_server.api import SERVICE_KEEP_ALIVE_S
 
+_DRAW = random.SystemRandom()  # tests seed `random`; two draws must not repeat each other
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on now, for a process that can neither take a bound socket
+    nor pick its own (a torch.distributed rendezvous, Ray's GCS, a launch config). It is
+    drawn at random above Ray's worker ports (10002-19999) and below Linux's ephemeral range
+    (32768-), so no bind to port 0 and no outgoing connection is given it before its user
+    binds it (a port that bind(0) returned was taken that way: EADDRINUSE under load)."""
+    while True:
+        port = _DRAW.randrange(20_000, 32_000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+
+
+def bound_socket() -> socket.socket:
+    """A socket bound to a free port on 127.0.0.1, for a server that takes it (bound and
+    handed over: nothing can take the port in between)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 @contextmanager
 def serve_in_thread(app: Any, startup_timeout_s: float = 60.0, **options: Any) -> Iterator[str]:
     """Yields the base URL; stops the server (running its shutdown) on exit. `options`: more
     uvicorn.Config arguments (`http=` a protocol class)."""
-    port = free_port()
+    sock = bound_socket()
+    port = int(sock.getsockname()[1])
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -36,7 +59,7 @@ def serve_in_thread(app: Any, startup_timeout_s: float = 60.0, **options: Any) -
             **options,
         )
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
     while not server.started:
@@ -48,6 +71,7 @@ def serve_in_thread(app: Any, startup_timeout_s: float = 60.0, **options: Any) -
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        sock.close()
 
 
 def wait_until_healthy(url: str, server: Any, log: Any, timeout_s: float = 120.0) -> None:

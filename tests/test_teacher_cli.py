@@ -98,17 +98,23 @@ def test_serving_beyond_loopback_without_a_key_is_flagged(
 def test_bundled_teacher_serves_its_api_page_offline_and_logs_each_request(
     tmp_path: Path,
 ) -> None:
-    port = free_port()
-    log = tmp_path / "server.log"
-    with log.open("w") as sink:
+    log, port_file = tmp_path / "server.log", tmp_path / "port"
+    with log.open("w") as sink:  # a port of its own choosing, named in --port-file
+        command = [*SERVE, "--model", "bundled:teacher", "--api-key", "k", "--port", "0"]
         server = subprocess.Popen(
-            [*SERVE, "--model", "bundled:teacher", "--port", str(port), "--api-key", "k"],
+            [*command, "--port-file", str(port_file)],
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
-    url = f"http://127.0.0.1:{port}"
     try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        port = int(port_file.read_text())
+        url = f"http://127.0.0.1:{port}"
         wait_until_healthy(url, server, log, timeout_s=100)
+        assert f"http://127.0.0.1:{port}," in log.read_text()
         page = httpx.get(f"{url}/docs")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
         assert "/v1/score" in page.text and "ScoreRequest" in page.text

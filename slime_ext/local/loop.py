@@ -70,9 +70,12 @@ def embedded_teacher(
     api_key: str | None = None,
 ) -> Iterator[str]:
     """Run `opd-teacher serve` (hf backend) on 127.0.0.1 for the duration of the block
-    (with `api_key`, requests need it and the weights can be reloaded)."""
-    port = port or _free_port()
+    (with `api_key`, requests need it and the weights can be reloaded). Without `port` the
+    service binds a free one and names it in a file beside its log (no port is probed here
+    and bound there later, where something else could take it in between)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    port_file = log_path.with_name(f"{log_path.name}.port")
+    port_file.unlink(missing_ok=True)
     env = {**os.environ}
     env.pop("OPD_TEACHER_API_KEY", None)
     if api_key:
@@ -89,7 +92,9 @@ def embedded_teacher(
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(port),
+                str(port or 0),
+                "--port-file",
+                str(port_file),
                 "--max-queue",
                 "100000",
             ],
@@ -97,17 +102,20 @@ def embedded_teacher(
             stderr=subprocess.STDOUT,
             env=env,
         )
-        url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + startup_timeout_s
+            url = None
             while True:
                 if server.poll() is not None:
                     raise TeacherStartError(
                         f"teacher exited with {server.returncode}; see {log_path}"
                     )
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
+                if url is None and port_file.exists():
+                    url = f"http://127.0.0.1:{int(port_file.read_text())}"
+                if url is not None:
+                    with contextlib.suppress(httpx.TransportError):
+                        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                            break
                 if time.monotonic() > deadline:
                     raise TeacherStartError(f"teacher not up after {startup_timeout_s:.0f} s")
                 time.sleep(0.2)
@@ -118,14 +126,7 @@ def embedded_teacher(
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+            port_file.unlink(missing_ok=True)
 
 
 def tasks_for_step(tasks: Sequence[Task], step: int, per_step: int, seed: int) -> list[Task]:
