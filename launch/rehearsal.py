@@ -251,7 +251,8 @@ def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:
     """The plan's steps with each Ray node on its own temp dir and port block (several Ray
     nodes on one host, REFERENCE.md) and the head's fake-GPU node given its CPUs."""
     temp = Path(f"/tmp/opd-rh-{os.getpid()}")  # short: Ray's socket paths hold 107 bytes
-    base = random.Random().randrange(20000, 40000, 1000)
+    # below Linux's ephemeral range (32768-): no outgoing connection takes a node's port
+    base = random.Random().randrange(20000, 30000, 1000)
     placed = []
     for step in steps:
         if step.command.startswith("ray start"):

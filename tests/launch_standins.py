@@ -20,6 +20,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from tests.ports import ray_port_block
+
 KEY_NAME = "OPD_SLURM_TEST_TEACHER_KEY"
 KEY_VALUE = "k-" + "".join(random.choice("abcdef0123456789") for _ in range(24))
 LEFTOVERS = (
@@ -152,7 +154,7 @@ def ray_node_args(temp: Path, node: str, index: str, cpus: int = 2) -> list[str]
     expands to its name and a small number (e.g. from SLURMD_NODENAME or SSH_CONNECTION).
     The temp dir is short: Ray's sockets live under it (Unix socket paths hold 107
     bytes)."""
-    base = random.Random().randrange(20000, 40000, 1000)
+    base = ray_port_block()
     port = f"$(({base} + {index} * 100"
     return [
         f"--temp-dir={temp}/{node}",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import socket
 import threading
 import time
@@ -13,24 +12,7 @@ from typing import Any
 import uvicorn
 
 from teacher_server.api import SERVICE_KEEP_ALIVE_S
-
-_DRAW = random.SystemRandom()  # tests seed `random`; two draws must not repeat each other
-
-
-def free_port() -> int:
-    """A port nothing listens on now, for a process that can neither take a bound socket
-    nor pick its own (a torch.distributed rendezvous, Ray's GCS, a launch config). It is
-    drawn at random above Ray's worker ports (10002-19999) and below Linux's ephemeral range
-    (32768-), so no bind to port 0 and no outgoing connection is given it before its user
-    binds it (a port that bind(0) returned was taken that way: EADDRINUSE under load)."""
-    while True:
-        port = _DRAW.randrange(20_000, 32_000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
+from tests.ports import free_port as free_port
 
 
 def bound_socket() -> socket.socket:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.ports import ray_port_block
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -170,7 +171,7 @@ def _form(
     RuntimeError with every node's log when they are not all alive within
     `ready_timeout_s`."""
     root.mkdir(parents=True, exist_ok=True)
-    base = random.Random().randrange(20000, 50000, 1000)
+    base = ray_port_block()
     gcs_port = base + 999
     cluster.gcs_address = f"127.0.0.2:{gcs_port}"
     head_args = [

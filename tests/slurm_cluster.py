@@ -38,6 +38,8 @@ from typing import Literal
 
 import pytest
 
+from tests.ports import FREE_PORTS
+
 Proctrack = Literal["linuxproc", "cgroup"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -369,11 +371,11 @@ def _make_gpu_device(path: Path) -> None:
 
 
 def _free_ports(draw: random.Random, count: int) -> list[int]:
-    """`count` ports that nothing listens on now, above Ray's default worker ports
-    (10002-19999) and below Linux's ephemeral range (32768-)."""
+    """`count` ports that nothing listens on now, where tests.live_server.free_port draws
+    (below Linux's ephemeral range, above the Ray clusters' port blocks)."""
     ports: list[int] = []
     while len(ports) < count:
-        port = draw.randrange(20_000, 32_000)
+        port = draw.randrange(*FREE_PORTS)
         if port in ports:
             continue
         with socket.socket() as probe:

@@ -1,0 +1,42 @@
+"""Ports for servers that tests start on this host, drawn so that they do not collide.
+
+A server that can take a bound socket gets one (tests.live_server.bound_socket); one that
+binds its own port 0 reports it (opd-teacher serve --port-file). What remains needs a
+number before it starts (a torch.distributed rendezvous, Ray's ports, a launch config):
+those are drawn here, outside Linux's ephemeral range (32768-60999), where the kernel gives
+ports to bind(0) and to outgoing connections (a port bind(0) returned and that was bound
+again later was taken by one of those under load: EADDRINUSE).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+_DRAW = random.SystemRandom()  # tests seed `random`; two draws must not repeat each other
+FREE_PORTS = (30_000, 32_768)
+"""Where free_port draws: below Linux's ephemeral range (32768-60999), so no bind to port
+0 and no outgoing connection is given such a port, and above RAY_BLOCKS."""
+RAY_BLOCKS = range(20_000, 30_000, 1_000)
+"""A Ray cluster on this host takes one block of 1000 ports: node i's ports from block +
+100 i, the head's GCS at block + 999 (tests/ray_nodes.py, launch_standins, rehearsal)."""
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a process that can neither take a bound socket
+    nor pick its own (a torch.distributed rendezvous, Ray's dashboard, a launch config),
+    drawn from FREE_PORTS: only another draw could take it before its user binds it (a port
+    that bind(0) returned was taken by an outgoing connection that way: EADDRINUSE)."""
+    while True:
+        port = _DRAW.randrange(*FREE_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+
+
+def ray_port_block() -> int:
+    """The first port of a block of RAY_BLOCKS for one Ray cluster on this host."""
+    return _DRAW.choice(RAY_BLOCKS)
