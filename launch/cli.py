@@ -41,6 +41,13 @@ class DemoHarness(str, Enum):
     swe = "swe"
 
 
+class DemoSandbox(str, Enum):
+    """Where `opd demo swe` runs the agent's commands and gradings."""
+
+    local = "local"
+    docker = "docker"
+
+
 hide_flag_types()
 console = Console()
 err_console = Console(stderr=True)
@@ -218,7 +225,7 @@ def demo(
         DemoHarness,
         typer.Argument(
             help="tir: math with a python tool (bundled:student / teacher); swe: mini-SWE "
-            "repositories in local sandboxes (bundled:swe-student / swe-teacher)."
+            "repositories in sandboxes (bundled:swe-student / swe-teacher; --sandbox)."
         ),
     ] = DemoHarness.tir,
     out: Annotated[
@@ -245,13 +252,32 @@ def demo(
             "(the config's model.seed, 0); the bundled models and held-out set stay.",
         ),
     ] = None,
+    sandbox: Annotated[
+        DemoSandbox,
+        typer.Option(
+            help="swe: where the agent's commands and the gradings run (sandbox.backend): "
+            "local (own uid, bubblewrap, no network) or docker (a container of --image "
+            "each, no network; a daemon must answer and the image be present, checked "
+            "before any model loads). tir: local only (its python tool).",
+        ),
+    ] = DemoSandbox.local,
+    image: Annotated[
+        str | None,
+        typer.Option(
+            help="--sandbox docker: the image (sandbox.image; default "
+            "opd-sandbox-swe-base:latest, built from docker/sandbox-swe-base.Dockerfile as "
+            "docker/README.md shows).",
+        ),
+    ] = None,
 ) -> None:
     """The one-machine OPD demo: evaluate the bundled student, run per-turn OPD against the
     bundled teacher (served on 127.0.0.1) for a few minutes, evaluate again. A line per
     step, checkpoint and evaluation. `opd demo swe`: the same on mini-SWE, an agent fixing
-    repositories over several turns in sandboxes."""
+    repositories over several turns in local sandboxes, or in Docker ones with `--sandbox
+    docker` (summary.json records which)."""
+    from sandbox.base import SandboxUnavailableError
     from slime_ext.local.loop import RolloutsFailedError
-    from slime_ext.local.opd_demo import run_opd_demo
+    from slime_ext.local.opd_demo import DemoSandboxError, run_opd_demo
 
     try:
         run_opd_demo(
@@ -262,7 +288,13 @@ def demo(
             eval_every_steps=eval_every,
             seed=seed,
             harness=harness.value,
+            sandbox=sandbox.value,
+            image=image,
         )
+    except DemoSandboxError as err:
+        raise _refuse(f"cannot run opd demo {harness.value}", [str(err)]) from None
+    except SandboxUnavailableError as err:
+        raise _failed(f"cannot run opd demo {harness.value}", str(err)) from None
     except RolloutsFailedError as err:
         raise _failed("the demo stopped", str(err)) from None
 

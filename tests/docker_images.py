@@ -3,7 +3,8 @@
 The base is what docker/README.md documents for offline hosts: a Debian root made by
 debootstrap (minbase + python3-minimal), trimmed and imported. The test image is
 docker/sandbox-tir.Dockerfile built on it without extra packages, tagged with a hash of
-the Dockerfile so an edited Dockerfile is rebuilt. The SWE-bench-style image
+the Dockerfile so an edited Dockerfile is rebuilt; the SWE base image
+(`swe_base_test_image`) likewise, with git and pytest. The SWE-bench-style image
 (`swebench_style_test_image`) adds git and python3-venv from the Debian mirror and a
 conda-like environment on the same base. All are kept for later sessions.
 """
@@ -29,6 +30,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "sandbox-tir.Dockerfile"
+SWE_BASE_DOCKERFILE = REPO / "docker" / "sandbox-swe-base.Dockerfile"
 BASE_IMAGE = "opd-sandbox-base:bookworm"
 TEST_REPOSITORY = "opd-sandbox-tir"
 MIRROR = os.environ.get("OPD_DEBIAN_MIRROR", "http://deb.debian.org/debian")
@@ -115,6 +117,27 @@ def _built_on_base(tag: str, build: Callable[[docker.DockerClient, str], None]) 
         return tag
     finally:
         client.close()
+
+
+def swe_base_test_image() -> str:
+    """opd-sandbox-swe-base (docker/sandbox-swe-base.Dockerfile) built on the test base
+    with the few packages a SWE task needs here (git, python3-venv, python3-pytest from
+    the Debian mirror), tagged by a hash of the Dockerfile and kept, like the TIR image."""
+    digest = hashlib.sha256(SWE_BASE_DOCKERFILE.read_bytes()).hexdigest()[:12]
+
+    def build(client: docker.DockerClient, tag: str) -> None:
+        if (problem := mirror_problem()) is not None:
+            pytest.skip(problem)
+        client.images.build(
+            path=str(SWE_BASE_DOCKERFILE.parent),
+            dockerfile=SWE_BASE_DOCKERFILE.name,
+            tag=tag,
+            buildargs={"BASE": BASE_IMAGE, "PACKAGES": "git python3-venv python3-pytest"},
+            rm=True,
+            forcerm=True,
+        )
+
+    return _built_on_base(f"opd-sandbox-swe-base:test-{digest}", build)
 
 
 # -- a SWE-bench-style task image ----------------------------------------------------------

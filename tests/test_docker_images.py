@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import importlib
 import os
 import re
@@ -23,19 +22,16 @@ import shlex
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-import docker.errors
 import pytest
 import yaml
 from docker.utils.build import exclude_paths
 
 from sandbox import DockerSandbox, DockerSandboxConfig
 from sandbox.docker import DEFAULT_IMAGE, OWNER_LABEL, reap
-from tests.docker_images import BASE_IMAGE, MIRROR, _build_base, _has_image, daemon_problem
+from tests.docker_images import daemon_problem, swe_base_test_image
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -43,7 +39,6 @@ DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 TRAINERS = [DOCKER / "trainer.Dockerfile", DOCKER / "trainer-rocm.Dockerfile"]
 INSTALL_SCRIPT = DOCKER / "install-opd.sh"
 COMPOSE = DOCKER / "compose.yaml"
-SWE_BASE = DOCKER / "sandbox-swe-base.Dockerfile"
 SANDBOX_UID = "1000"
 
 
@@ -382,45 +377,6 @@ def test_docker_compose_accepts_the_stack_and_requires_the_key(tmp_path: Path) -
 
 
 # -- the SWE base image, built and used ----------------------------------------------------
-
-
-def mirror_problem() -> str | None:
-    try:
-        urllib.request.urlopen(f"{MIRROR}/dists/bookworm/Release", timeout=5).close()
-    except (urllib.error.URLError, OSError) as exc:
-        return f"the Debian mirror {MIRROR} does not answer ({exc})"
-    return None
-
-
-def swe_base_test_image() -> str:
-    """opd-sandbox-swe-base built on the offline test base with the few packages a SWE
-    task needs here, tagged by a hash of the Dockerfile (kept, like the TIR test image)."""
-    digest = hashlib.sha256(SWE_BASE.read_bytes()).hexdigest()[:12]
-    tag = f"opd-sandbox-swe-base:test-{digest}"
-    client = docker.from_env(timeout=600)
-    try:
-        try:
-            client.images.get(tag)
-            return tag
-        except docker.errors.ImageNotFound:
-            pass
-        if not _has_image(client, BASE_IMAGE):  # built once per host, as the TIR image's
-            _build_base(client)
-        problem = mirror_problem()
-        if problem is not None:
-            pytest.skip(problem)
-        packages = "git python3-venv python3-pytest"
-        client.images.build(
-            path=str(DOCKER),
-            dockerfile=SWE_BASE.name,
-            tag=tag,
-            buildargs={"BASE": BASE_IMAGE, "PACKAGES": packages},
-            rm=True,
-            forcerm=True,
-        )
-        return tag
-    finally:
-        client.close()
 
 
 @pytest.mark.skipif(daemon_problem() is not None, reason=f"{daemon_problem()}")

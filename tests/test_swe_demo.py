@@ -1,25 +1,35 @@
 """The SWE demo's pieces: mini-SWE's worked scripts (the SWE models' training traces) run
 for real through the swe harness, the agent metrics of a step, the bundled SWE models, and
-`opd demo swe` at a tiny scale (the full demo, ~12 minutes, is not run by CI)."""
+`opd demo swe` at a tiny scale, in local sandboxes and (where a daemon answers) Docker
+ones, and what `opd demo --sandbox` refuses before any model loads (the full demo, ~12
+minutes, is not run by CI)."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner, Result
 
+from launch.cli import app
 from rollout.chat import ChatRenderer
 from rollout.harness.swe import SWEHarness, SWEHarnessConfig
 from rollout.runner import summary_metrics
 from rollout.tasks import mini_swe
 from rollout.trajectory import MaskTier, TrajectoryStatus
+from sandbox.docker import OWNER_LABEL, docker_client
+from slime_ext.job.sandboxes import run_owner
+from slime_ext.local import opd_demo
 from slime_ext.local.demo_models import DemoModelsRecipe, worked_trajectories
 from slime_ext.local.progress import agent_fields
 from slime_ext.models.refs import ModelRefError, bundled_models, resolve_model
+from tests.docker_images import daemon_problem, swe_base_test_image
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -169,6 +179,7 @@ def test_swe_demo_writes_its_summary_agent_metrics_and_trajectories(
     summary = run_opd_demo(out, steps=1, n_heldout=3, console=Console(quiet=True), harness="swe")
     assert json.loads((out / "summary.json").read_text()) == summary
     assert summary["harness"] == "swe" and summary["n_heldout"] == 3 and summary["steps"] == 1
+    assert summary["sandbox"] == {"backend": "local", "image": None}
     for which in ("eval_before", "eval_after"):
         agent = summary[which]
         assert set(agent) == {
@@ -202,3 +213,115 @@ def test_demo_takes_the_harness_as_its_argument(tmp_path: Path) -> None:
     assert job.sandbox.backend == "local" and job.algorithm.steps == 3
     refused = CliRunner().invoke(app, ["demo", "chess"])
     assert refused.exit_code == 2 and "tir" in refused.output and "swe" in refused.output
+
+
+def _demo_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
+    """`opd demo ARGS` where loading the demo's models fails the test: what is refused must
+    be refused before."""
+
+    def loaded(harness: str) -> Any:
+        raise AssertionError(f"the {harness} demo's models were loaded")
+
+    monkeypatch.setattr(opd_demo, "bundled_models", loaded)
+    return CliRunner().invoke(app, ["demo", *args])
+
+
+def test_demo_swe_with_docker_sandboxes_builds_the_demo_job_on_docker_and_its_image(
+    tmp_path: Path,
+) -> None:
+    local = opd_demo.demo_job(tmp_path, steps=1, harness="swe")
+    default = opd_demo.demo_job(tmp_path, steps=1, harness="swe", sandbox="docker")
+    named = opd_demo.demo_job(
+        tmp_path, steps=1, harness="swe", sandbox="docker", image="registry.internal:5000/swe:1"
+    )
+    assert (local.sandbox.backend, local.sandbox.image) == ("local", None)
+    assert (default.sandbox.backend, default.sandbox.image) == (
+        "docker",
+        "opd-sandbox-swe-base:latest",
+    )
+    assert (named.sandbox.backend, named.sandbox.image) == (
+        "docker",
+        "registry.internal:5000/swe:1",
+    )
+    # only where commands run changes: the rest is the demo's job
+    assert default.model_dump(exclude={"sandbox"}) == local.model_dump(exclude={"sandbox"})
+    assert default.sandbox.model_dump(exclude={"backend", "image"}) == local.sandbox.model_dump(
+        exclude={"backend", "image"}
+    )
+
+
+def test_demo_refuses_docker_sandboxes_for_tir_and_an_image_without_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tir = _demo_cli(monkeypatch, "--sandbox", "docker", "--out", str(tmp_path / "tir"))
+    assert tir.exit_code == 2, tir.output
+    assert "the tir demo's python tool always runs in a local sandbox" in tir.output
+    image = _demo_cli(monkeypatch, "swe", "--image", "x:1", "--out", str(tmp_path / "swe"))
+    assert image.exit_code == 2 and "add --sandbox docker" in image.output, image.output
+
+
+def test_demo_swe_on_docker_stops_before_any_model_loads_when_no_daemon_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dead = tmp_path / "docker.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(dead))
+    listener.close()  # the socket file stays; nothing answers on it
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{dead}")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "kept").write_text("an earlier run")
+    result = _demo_cli(monkeypatch, "swe", "--sandbox", "docker", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert f"no Docker daemon answers at unix://{dead}" in result.output
+    assert "--sandbox local" in result.output
+    assert (out / "kept").is_file()  # the run directory is replaced only by a demo that runs
+
+
+@pytest.mark.skipif(daemon_problem() is not None, reason=f"{daemon_problem()}")
+def test_demo_swe_on_docker_stops_before_any_model_loads_when_the_image_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = f"opd-no-such-image:missing-{os.getpid()}"
+    result = _demo_cli(
+        monkeypatch, "swe", "--sandbox", "docker", "--image", missing, "--out", str(tmp_path)
+    )
+    assert result.exit_code == 1, result.output
+    assert f"the image {missing} is not present here: pull or build it" in result.output
+    # the default image's refusal gives the build command docker/README.md shows
+    monkeypatch.setattr(opd_demo, "has_image", lambda client, image: False)
+    job = opd_demo.demo_job(tmp_path, steps=1, harness="swe", sandbox="docker")
+    problem = opd_demo.docker_sandbox_problem(job) or ""
+    assert f"`{opd_demo.SWE_DOCKER_IMAGE_BUILD}`" in problem
+    readme = (Path(__file__).resolve().parents[1] / "docker" / "README.md").read_text()
+    assert opd_demo.SWE_DOCKER_IMAGE_BUILD in readme
+
+
+@pytest.mark.skipif(daemon_problem() is not None, reason=f"{daemon_problem()}")
+@pytest.mark.skipif(
+    not os.environ.get("OPD_HEAVY_TESTS"),
+    reason="set OPD_HEAVY_TESTS=1: the SWE demo in Docker sandboxes (about 55 s; CI runs the "
+    "demo in local sandboxes above, and the job's SWE agents in Docker in tests/test_fleet_job.py)",
+)
+@pytest.mark.timeout(600)
+def test_swe_demo_runs_its_agent_in_docker_sandboxes_and_records_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = swe_base_test_image()
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = tmp_path / "demo-swe-docker"
+    args = ["swe", "--sandbox", "docker", "--image", image, "--steps", "1", "--n-heldout", "2"]
+    result = CliRunner().invoke(app, ["demo", *args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sandbox"] == {"backend": "docker", "image": image}
+    assert summary["eval_before"]["aborts"] == 0 and summary["eval_after"]["aborts"] == 0
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["rollout/sandbox_acquired"] >= 8  # the step's 8 agents, each graded in another
+    assert "rollout/sandbox_host_active/here-docker" in step  # the fleet's one host: Docker
+    client = docker_client()
+    try:
+        owned = f"{OWNER_LABEL}={run_owner(out)}"
+        assert client.containers.list(all=True, filters={"label": owned}) == []
+    finally:
+        client.close()

@@ -10,18 +10,26 @@ over steps, and runs/demo/summary.json.
   share of held-out tasks resolved (hidden tests), and the summary carries what the agent
   did before and after (turns, tokens per turn, valid tool calls, submissions, aborts);
   every evaluation trajectory is kept in eval/.
+
+The SWE demo's sandboxes are local by default; `sandbox="docker"` runs them as containers
+of an image that must already be present (the demo pulls nothing), checked before any
+model loads. The summary records the backend and image: in a container the agent sees
+another python and working directory, so the numbers are those of that backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import docker.errors
+import requests
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,6 +40,9 @@ from rollout.runner import rollout_metrics
 from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Trajectory, write_jsonl
+from sandbox.base import SandboxUnavailableError
+from sandbox.docker import docker_client
+from sandbox.fleet.images import has_image
 from slime_ext.job.assembly import harness_for
 from slime_ext.job.config import JobConfig, load_config
 from slime_ext.job.sandboxes import JobSandboxes, run_owner
@@ -52,6 +63,17 @@ DEMO_DEFAULTS = {"tir": {"steps": 24, "n_heldout": 300}, "swe": {"steps": 16, "n
 """`opd demo`'s steps and held-out count per harness."""
 SWE_TRAIN_TASKS = 2000
 """mini-SWE tasks the SWE demo draws its training steps from (seed model.seed)."""
+SWE_DOCKER_IMAGE = "opd-sandbox-swe-base:latest"
+"""The SWE demo's image under Docker (git, python, pytest: docker/sandbox-swe-base.Dockerfile)."""
+SWE_DOCKER_IMAGE_BUILD = (
+    "DOCKER_BUILDKIT=0 docker build -f docker/sandbox-swe-base.Dockerfile "
+    f"-t {SWE_DOCKER_IMAGE} docker/"
+)
+_DOCKER_FAILURES = (docker.errors.DockerException, requests.exceptions.RequestException)
+
+
+class DemoSandboxError(ValueError):
+    """Sandbox options the demo cannot run with, and what to pass instead."""
 
 
 def demo_job(
@@ -60,10 +82,23 @@ def demo_job(
     eval_every_steps: int = 0,
     seed: int | None = None,
     harness: str = "tir",
+    sandbox: str = "local",
+    image: str | None = None,
 ) -> JobConfig:
     """launch/configs/demo.yaml (demo-swe.yaml) with this run's directory, step count,
     evaluations and (when given) seed: the order of training problems and every sampled
-    token."""
+    token. SWE: `sandbox` local or docker (of `image`, default SWE_DOCKER_IMAGE); TIR's
+    python tool always runs in a local sandbox, so it takes neither."""
+    if harness != "swe" and sandbox != "local":
+        raise DemoSandboxError(
+            f"--sandbox {sandbox} applies to `opd demo swe`: the tir demo's python tool "
+            "always runs in a local sandbox (drop --sandbox)"
+        )
+    if sandbox != "docker" and image is not None:
+        raise DemoSandboxError(
+            "--image names the image of Docker sandboxes: add --sandbox docker (with `opd "
+            "demo swe`) or drop --image"
+        )
     path = Path(str(resources.files("launch.configs").joinpath(DEMO_CONFIGS[harness])))
     overrides = [
         f"logging.run_dir={run_dir}",
@@ -72,7 +107,40 @@ def demo_job(
     ]
     if seed is not None:
         overrides.append(f"model.seed={seed}")
+    if sandbox == "docker":  # quoted: an override's value is read as YAML
+        overrides.append("sandbox.backend=docker")
+        overrides.append(f"sandbox.image={json.dumps(image or SWE_DOCKER_IMAGE)}")
     return load_config(path, overrides)
+
+
+def docker_sandbox_problem(job: JobConfig) -> str | None:
+    """Why the Docker sandboxes of a docker-backed `job` cannot start here (no daemon
+    answers at DOCKER_HOST or the local socket; its image is not present: the demo pulls
+    nothing), or None (also for other backends)."""
+    if job.sandbox.backend != "docker":
+        return None
+    image = job.sandbox.image or SWE_DOCKER_IMAGE
+    try:
+        client = docker_client(timeout_s=10)
+    except _DOCKER_FAILURES as exc:
+        where = os.environ.get("DOCKER_HOST") or "the local socket"
+        return (
+            f"--sandbox docker: no Docker daemon answers at {where} ({exc}); start dockerd, "
+            "or run with --sandbox local"
+        )
+    try:
+        if has_image(client, image):
+            return None
+    except _DOCKER_FAILURES as exc:
+        return f"--sandbox docker: cannot inspect the image {image} ({exc})"
+    finally:
+        client.close()
+    build = (
+        f"build it with `{SWE_DOCKER_IMAGE_BUILD}`"
+        if image == SWE_DOCKER_IMAGE
+        else "pull or build it"
+    )
+    return f"--sandbox docker: the image {image} is not present here: {build} (docker/README.md)"
 
 
 async def _trajectories(model_dir: Path, tasks: list[Any], job: JobConfig) -> list[Trajectory]:
@@ -159,24 +227,32 @@ def run_opd_demo(
     eval_every_steps: int = 0,
     seed: int | None = None,
     harness: str = "tir",
+    sandbox: str = "local",
+    image: str | None = None,
 ) -> dict[str, Any]:
     """The demo of `harness` (tir or swe); None: the harness's default run directory
-    (runs/demo, runs/demo-swe), steps and held-out count (DEMO_DEFAULTS)."""
+    (runs/demo, runs/demo-swe), steps and held-out count (DEMO_DEFAULTS). Raises
+    DemoSandboxError for sandbox options it cannot run with, and SandboxUnavailableError
+    when Docker sandboxes cannot start here, before anything is loaded or removed."""
     console = console or Console()
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
     out = out or Path("runs/demo" if harness == "tir" else f"runs/demo-{harness}")
     steps = steps if steps is not None else DEMO_DEFAULTS[harness]["steps"]
     n_heldout = n_heldout if n_heldout is not None else DEMO_DEFAULTS[harness]["n_heldout"]
+    job = demo_job(out, steps, eval_every_steps, seed, harness, sandbox, image)
+    if problem := docker_sandbox_problem(job):
+        raise SandboxUnavailableError(problem)
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     student_dir, teacher_dir = bundled_models(harness)
     heldout = heldout_tasks(n_heldout, harness)
-    job = demo_job(out, steps, eval_every_steps, seed, harness)
     if harness == "swe":
         train_tasks = mini_swe.generate_tasks(SWE_TRAIN_TASKS, seed=job.model.seed)
-        what = f"per-turn OPD on mini-SWE, {n_heldout} held-out tasks"
+        backend = job.sandbox.backend
+        where = f"Docker ({job.sandbox.image})" if backend == "docker" else backend
+        what = f"per-turn OPD on mini-SWE in {where} sandboxes, {n_heldout} held-out tasks"
     else:
         train_tasks = make_tasks(4000, "train", seed=1)
         what = f"per-turn OPD on math TIR, {n_heldout} held-out problems"
@@ -217,6 +293,7 @@ def run_opd_demo(
     }
     if harness == "swe":
         summary["harness"] = harness
+        summary["sandbox"] = {"backend": job.sandbox.backend, "image": job.sandbox.image}
         summary["eval_before"] = agent_summary(before_run)
         summary["eval_after"] = agent_summary(after_run)
         summary["training"] = training_summary(history)
