@@ -334,7 +334,10 @@ def _configure(
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={log / 'jobcomp.log'}",
         "MinJobAge=600",  # finished jobs stay in `scontrol show job`
-        "SchedulerParameters=batch_sched_delay=0",
+        # a heterogeneous job (the launch's: training nodes and sandbox hosts) is started by
+        # the backfill scheduler only, every bf_interval (default 30 s: half a minute idle
+        # per submission)
+        "SchedulerParameters=batch_sched_delay=0,bf_interval=1",
         "KillWait=2",  # SIGTERM to SIGKILL on cancel; the default 30 s only slows tests
         # with proctrack/cgroup, steps live in /sys/fs/cgroup/freezer/slurm_nodeK/uid_U/job_J:
         # job ids from a random start keep concurrent clusters' cgroups apart
