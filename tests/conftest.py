@@ -28,3 +28,14 @@ def factory_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from slime_ext.models.factory import build_checkpoint
 
     return build_checkpoint("qwen3-tiny", tmp_path_factory.mktemp("factory") / "qwen3-tiny")
+
+
+@pytest.fixture(scope="session")
+def unpadded_student(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The tiny factory student with one embedding row per token, and its torch_dist
+    checkpoint by slime's converter (about 17 s): made once for the whole-job tests
+    (tests/test_launch_slurm.py, test_launch_ssh.py, test_slime_loop.py), which only read
+    it (their jobs save elsewhere)."""
+    from tests.test_slime_train import make_student
+
+    return make_student(tmp_path_factory.mktemp("student"), vocab=None)

@@ -48,7 +48,7 @@ from tests.launch_standins import (
 )
 from tests.live_server import free_port
 from tests.slurm_cluster import require_slurm, slurm_cluster
-from tests.test_slime_train import Student, make_student
+from tests.test_slime_train import Student
 
 
 def _job(
@@ -147,9 +147,9 @@ def _check_the_run(tmp_path: Path, cluster: Any, state: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def student(tmp_path_factory: pytest.TempPathFactory) -> Student:
+def student(unpadded_student: Student) -> Student:
     require_slurm("linuxproc")
-    return make_student(tmp_path_factory.mktemp("student"), vocab=None)
+    return unpadded_student
 
 
 @pytest.mark.timeout(480)

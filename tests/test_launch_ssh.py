@@ -46,7 +46,7 @@ from tests.launch_standins import (
 )
 from tests.live_server import free_port
 from tests.ssh_nodes import SshNodes, require_ssh, ssh_nodes
-from tests.test_slime_train import Student, make_student
+from tests.test_slime_train import Student
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_TOKEN = Path.home() / ".ray/auth_token"
@@ -126,9 +126,9 @@ def _launch(config: Path, **popen: Any) -> subprocess.Popen[str]:
 
 
 @pytest.fixture(scope="module")
-def student(tmp_path_factory: pytest.TempPathFactory) -> Student:
+def student(unpadded_student: Student) -> Student:
     require_ssh()
-    return make_student(tmp_path_factory.mktemp("student"), vocab=None)
+    return unpadded_student
 
 
 @pytest.mark.timeout(600)

@@ -60,7 +60,7 @@ from slime_ext.turns import TurnBatch
 from tests import slime_job
 from tests.engine_driver import TopK, gap
 from tests.live_server import free_port, wait_until_healthy
-from tests.test_slime_train import Student, job_for, make_student
+from tests.test_slime_train import Student, job_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 ROLLOUTS = 6
@@ -72,11 +72,11 @@ MATCH = 1e-4
 
 
 @pytest.fixture(scope="module")
-def student(tmp_path_factory: pytest.TempPathFactory) -> Student:
+def student(unpadded_student: Student) -> Student:
     """Its embedding one row per token (Megatron pads it, slime's converter cuts the
     padding off for the engine): the random student samples every row it has, and the
     teacher scores only ids its tokenizer has."""
-    return make_student(tmp_path_factory.mktemp("student"), vocab=None)
+    return unpadded_student
 
 
 @dataclass
