@@ -6,8 +6,8 @@ allocation, or locally. Background steps (Ray on every node, the teacher service
 started with nohup, their output in run_dir/logs/<step>.log and their process in
 run_dir/logs/<step>.pid ("PID START", START as `ps -o lstart=` prints it) on their host.
 
-`stop` ends the background steps of a plan in reverse order, each only if the process in
-its pid file is still the one it started (a reused pid is left alone): SIGTERM, up to
+`stop` ends the background steps of a plan, all at once, each only if the process in its
+pid file is still the one it started (a reused pid is left alone): SIGTERM, up to
 STOP_GRACE_S for it to exit (`ray start --block` stops the node's Ray on SIGTERM), then
 SIGKILL. `run` stops what an earlier launch of the same run left before it starts, and
 what it started itself when a step fails or is interrupted (Ctrl-C), or, with
@@ -30,6 +30,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,8 @@ from slime_ext.job.config import ConfigError, JobConfig
 Report = Callable[[str], None]
 STOP_GRACE_S = 30
 """How long a daemon gets to exit on SIGTERM before SIGKILL."""
+STOP_AT_ONCE = 16
+"""Daemons stopped at the same time (each over its own ssh or srun)."""
 WATCH_S = 15.0
 """How often the daemons are checked while a step runs."""
 FORGET_SSH = "unset SSH_CLIENT SSH2_CLIENT"
@@ -128,34 +131,46 @@ class Executor:
             self.stop(steps)
 
     def stop(self, steps: list[Step], quiet: bool = False) -> list[str]:
-        """Stop the plan's background steps that are running, last started first; what
-        was stopped ("name @ host")."""
+        """Stop the plan's background steps that are running, all at once (at most
+        STOP_AT_ONCE in flight: each waits up to STOP_GRACE_S for its process to exit, and
+        a node's Ray takes seconds to); reported last started first. What was stopped
+        ("name @ host")."""
+        daemons = list(reversed([s for s in steps if s.kind == "background"]))
+        if not daemons:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(daemons), STOP_AT_ONCE)) as pool:
+            outcomes = list(pool.map(self._stop_one, daemons))
         stopped = []
-        for step in reversed([s for s in steps if s.kind == "background"]):
-            script = self._pid_script(
-                step,
-                'kill -TERM "$pid"; '
-                f'for i in $(seq {STOP_GRACE_S}); do kill -0 "$pid" 2>/dev/null || break; '
-                'sleep 1; done; kill -KILL "$pid" 2>/dev/null; rm -f "$f"; exit 0',
-            )
-            try:
-                done = subprocess.run(
-                    self.command_for(step.host, script),
-                    capture_output=True,
-                    text=True,
-                    timeout=STOP_GRACE_S + 60,
-                    check=False,
-                )
-            except (subprocess.TimeoutExpired, OSError) as err:
-                self.report(f"    could not stop {step.name} @ {step.host}: {err}")
-                continue
-            if done.returncode == 0:
+        for step, outcome in zip(daemons, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                self.report(f"    could not stop {step.name} @ {step.host}: {outcome}")
+            elif outcome.returncode == 0:
                 stopped.append(f"{step.name} @ {step.host}")
                 self.report(f"stopped {step.name} @ {step.host}")
-            elif done.returncode != GONE and not quiet:
-                tail = (done.stderr or done.stdout).strip()[-500:]
+            elif outcome.returncode != GONE and not quiet:
+                tail = (outcome.stderr or outcome.stdout).strip()[-500:]
                 self.report(f"    could not stop {step.name} @ {step.host}: {tail}")
         return stopped
+
+    def _stop_one(self, step: Step) -> subprocess.CompletedProcess[str] | Exception:
+        """SIGTERM to the daemon's process if it is still the one started, up to
+        STOP_GRACE_S for it to exit (checked 5 times a second), then SIGKILL."""
+        script = self._pid_script(
+            step,
+            'kill -TERM "$pid"; '
+            f'for i in $(seq {STOP_GRACE_S * 5}); do kill -0 "$pid" 2>/dev/null || break; '
+            'sleep 0.2; done; kill -KILL "$pid" 2>/dev/null; rm -f "$f"; exit 0',
+        )
+        try:
+            return subprocess.run(
+                self.command_for(step.host, script),
+                capture_output=True,
+                text=True,
+                timeout=STOP_GRACE_S + 60,
+                check=False,
+            )
+        except (subprocess.TimeoutExpired, OSError) as err:
+            return err
 
     def _pid_script(self, step: Step, then: str) -> str:
         """A remote script: `then` runs when the process in the step's pid file is still
