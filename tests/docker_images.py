@@ -87,19 +87,27 @@ def _build_base(client: docker.DockerClient) -> None:
 def sandbox_test_image() -> str:
     """The tag of a python-capable image built from docker/sandbox-tir.Dockerfile; builds
     the base and the image when they are missing (about a minute, once per host)."""
-    digest = hashlib.sha256(DOCKERFILE.read_bytes()).hexdigest()[:12]
+    return _dockerfile_image(DOCKERFILE, TEST_REPOSITORY, packages="")
+
+
+def _dockerfile_image(dockerfile: Path, repository: str, packages: str) -> str:
+    """`dockerfile` built on the test base with `packages` from the Debian mirror (none:
+    no mirror needed), tagged `repository`:test-<hash of the Dockerfile> and kept."""
+    digest = hashlib.sha256(dockerfile.read_bytes()).hexdigest()[:12]
 
     def build(client: docker.DockerClient, tag: str) -> None:
+        if packages and (problem := mirror_problem()) is not None:
+            pytest.skip(problem)
         client.images.build(
-            path=str(DOCKERFILE.parent),
-            dockerfile=DOCKERFILE.name,
+            path=str(dockerfile.parent),
+            dockerfile=dockerfile.name,
             tag=tag,
-            buildargs={"BASE": BASE_IMAGE, "PACKAGES": ""},
+            buildargs={"BASE": BASE_IMAGE, "PACKAGES": packages},
             rm=True,
             forcerm=True,
         )
 
-    return _built_on_base(f"{TEST_REPOSITORY}:test-{digest}", build)
+    return _built_on_base(f"{repository}:test-{digest}", build)
 
 
 def _built_on_base(tag: str, build: Callable[[docker.DockerClient, str], None]) -> str:
@@ -123,21 +131,9 @@ def swe_base_test_image() -> str:
     """opd-sandbox-swe-base (docker/sandbox-swe-base.Dockerfile) built on the test base
     with the few packages a SWE task needs here (git, python3-venv, python3-pytest from
     the Debian mirror), tagged by a hash of the Dockerfile and kept, like the TIR image."""
-    digest = hashlib.sha256(SWE_BASE_DOCKERFILE.read_bytes()).hexdigest()[:12]
-
-    def build(client: docker.DockerClient, tag: str) -> None:
-        if (problem := mirror_problem()) is not None:
-            pytest.skip(problem)
-        client.images.build(
-            path=str(SWE_BASE_DOCKERFILE.parent),
-            dockerfile=SWE_BASE_DOCKERFILE.name,
-            tag=tag,
-            buildargs={"BASE": BASE_IMAGE, "PACKAGES": "git python3-venv python3-pytest"},
-            rm=True,
-            forcerm=True,
-        )
-
-    return _built_on_base(f"opd-sandbox-swe-base:test-{digest}", build)
+    return _dockerfile_image(
+        SWE_BASE_DOCKERFILE, "opd-sandbox-swe-base", packages="git python3-venv python3-pytest"
+    )
 
 
 # -- a SWE-bench-style task image ----------------------------------------------------------
