@@ -64,6 +64,7 @@ import torch
 from loss_memory import peak_resident_bytes, reset_peak, resident_bytes, set_malloc
 from torch import Tensor
 
+from slime_ext.local.loop import TeacherStartError, served_url
 from slime_ext.models.factory import build_checkpoint
 from teacher_server.api import ScoreItem, ScoreResult
 from teacher_server.body_route import BYTES_PER_BODY_BYTE, BYTES_PER_TOKEN, PROCESS_CHECK_BYTES
@@ -273,20 +274,12 @@ def serving(
         text=True,
         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
-    url = ""
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the teacher exited: {server.stderr.read()[-2000:]}")  # type: ignore[union-attr]
-            if not url and port_file.exists():
-                url = f"http://127.0.0.1:{int(port_file.read_text())}"
-            with contextlib.suppress(httpx.HTTPError):
-                if url and httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the teacher did not start in 120 s")
-            time.sleep(0.2)
+        try:
+            url = served_url(server, port_file, 120, "its stderr, once it exited, below")
+        except TeacherStartError as err:
+            tail = server.stderr.read()[-2000:] if server.poll() is not None else ""  # type: ignore[union-attr]
+            raise RuntimeError(f"{err}\n{tail}") from None
         yield url, server.pid
     finally:
         server.terminate()

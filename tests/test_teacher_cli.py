@@ -15,8 +15,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from slime_ext.local.loop import TeacherStartError, served_url
 from teacher_server.cli import app, exposed_without_key
-from tests.live_server import free_port, wait_until_healthy
+from tests.live_server import free_port
 
 SERVE = [sys.executable, "-m", "teacher_server", "serve"]
 
@@ -107,14 +108,11 @@ def test_bundled_teacher_serves_its_api_page_offline_and_logs_each_request(
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        port = int(port_file.read_text())
-        url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, server, log, timeout_s=100)
-        assert f"http://127.0.0.1:{port}," in log.read_text()
+        try:
+            url = served_url(server, port_file, 100, f"its log: {log}")
+        except TeacherStartError as err:
+            pytest.fail(f"{err}\n{log.read_text()}")
+        assert f"{url}," in log.read_text()  # the first line names the port it bound
         page = httpx.get(f"{url}/docs")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
         assert "/v1/score" in page.text and "ScoreRequest" in page.text

@@ -103,23 +103,7 @@ def embedded_teacher(
             env=env,
         )
         try:
-            deadline = time.monotonic() + startup_timeout_s
-            url = None
-            while True:
-                if server.poll() is not None:
-                    raise TeacherStartError(
-                        f"teacher exited with {server.returncode}; see {log_path}"
-                    )
-                if url is None and port_file.exists():
-                    url = f"http://127.0.0.1:{int(port_file.read_text())}"
-                if url is not None:
-                    with contextlib.suppress(httpx.TransportError):
-                        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise TeacherStartError(f"teacher not up after {startup_timeout_s:.0f} s")
-                time.sleep(0.2)
-            yield url
+            yield served_url(server, port_file, startup_timeout_s, f"see {log_path}")
         finally:
             server.terminate()
             try:
@@ -127,6 +111,28 @@ def embedded_teacher(
             except subprocess.TimeoutExpired:
                 server.kill()
             port_file.unlink(missing_ok=True)
+
+
+def served_url(
+    server: subprocess.Popen[Any], port_file: Path, timeout_s: float, log_hint: str
+) -> str:
+    """The base URL of `opd-teacher serve --host 127.0.0.1 --port-file port_file` running
+    as `server`, once its port is named there and /health answers 200. TeacherStartError
+    (with `log_hint`, where its output is) when it exits first or is not up in time."""
+    deadline = time.monotonic() + timeout_s
+    url = None
+    while True:
+        if server.poll() is not None:
+            raise TeacherStartError(f"teacher exited with {server.returncode}; {log_hint}")
+        if url is None and port_file.exists():
+            url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        if url is not None:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+        if time.monotonic() > deadline:
+            raise TeacherStartError(f"teacher not up after {timeout_s:.0f} s; {log_hint}")
+        time.sleep(0.2)
 
 
 def tasks_for_step(tasks: Sequence[Task], step: int, per_step: int, seed: int) -> list[Task]:
