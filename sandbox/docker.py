@@ -105,7 +105,8 @@ _READ_BYTES = 64 * 1024
 # moby records an exec's exit before it closes its output: output that ended while the
 # command still runs was cut. The grace is for a daemon that records the exit late.
 _EXIT_RECORD_GRACE_S = 0.5
-_DOCKER_FAILURES = (docker.errors.DockerException, requests.exceptions.RequestException)
+DOCKER_FAILURES = (docker.errors.DockerException, requests.exceptions.RequestException)
+"""What a call to the daemon raises when it fails (the SDK's errors and its HTTP client's)."""
 MAX_ARG_STRLEN = 32 * 4096
 """Linux's limit on one argument or environment string, its terminating NUL included."""
 NAME_MAX = 255
@@ -447,7 +448,7 @@ class DockerSandbox(StartsAndCloses):
         if self._client is None:
             try:
                 self._client = docker_client(1, cfg.docker_url, cfg.api_timeout_s)
-            except _DOCKER_FAILURES as exc:
+            except DOCKER_FAILURES as exc:
                 where = cfg.docker_url or "DOCKER_HOST or the local socket"
                 raise SandboxUnavailableError(
                     f"no Docker daemon answers at {where}: {exc}; start dockerd (.ci/run "
@@ -459,7 +460,7 @@ class DockerSandbox(StartsAndCloses):
             hint = BUILD_HINT if cfg.image == DEFAULT_IMAGE else "pull or build it first"
             message = f"the sandbox image {cfg.image} is not present: {hint}"
             raise SandboxStartError(message) from exc
-        except _DOCKER_FAILURES as exc:
+        except DOCKER_FAILURES as exc:
             raise SandboxStartError(f"cannot inspect the image {cfg.image}: {exc}") from exc
         image_user = (image.attrs.get("Config") or {}).get("User")
         self._user = cfg.user if cfg.user is not None else image_user or "0"
@@ -497,7 +498,7 @@ class DockerSandbox(StartsAndCloses):
             )
             self._container_id = container.id  # removed by _remove if it fails to start
             container.start()
-        except _DOCKER_FAILURES as exc:
+        except DOCKER_FAILURES as exc:
             raise SandboxStartError(f"cannot start a container from {cfg.image}: {exc}") from exc
         self._probe()
 
@@ -521,7 +522,7 @@ class DockerSandbox(StartsAndCloses):
         while True:
             try:
                 exit_code, out = self._run_quick(["/bin/sh", "-c", _PROBE, self.config.shell])
-            except _DOCKER_FAILURES as exc:
+            except DOCKER_FAILURES as exc:
                 raise SandboxStartError(
                     f"cannot run a command in the new container: {exc}"
                 ) from exc
@@ -558,7 +559,7 @@ class DockerSandbox(StartsAndCloses):
             state = self._api.inspect_container(self.container_id)["State"]
         except docker.errors.NotFound:
             return False
-        except _DOCKER_FAILURES as exc:
+        except DOCKER_FAILURES as exc:
             raise SandboxDiedError(f"the Docker daemon did not answer: {exc}") from exc
         return bool(state.get("Running")) and not state.get("Paused")
 
@@ -586,7 +587,7 @@ class DockerSandbox(StartsAndCloses):
             if self._volume is not None:
                 with contextlib.suppress(docker.errors.NotFound):
                     self._api.remove_volume(self._volume, force=True)
-        except _DOCKER_FAILURES as exc:
+        except DOCKER_FAILURES as exc:
             logger.warning(
                 "sandbox container %s left behind (reap(%r) removes it): %s",
                 self._container_id,
@@ -712,7 +713,7 @@ class DockerSandbox(StartsAndCloses):
             )
 
     def _sweep_quietly(self) -> None:
-        with contextlib.suppress(*_DOCKER_FAILURES, SandboxError):
+        with contextlib.suppress(*DOCKER_FAILURES, SandboxError):
             self._sweep()
 
     def _exit_code(self, exec_id: str) -> int | None:
@@ -787,7 +788,7 @@ class DockerSandbox(StartsAndCloses):
         """`function(*args)` with docker's failures turned into SandboxErrors."""
         try:
             return function(*args)
-        except _DOCKER_FAILURES as exc:
+        except DOCKER_FAILURES as exc:
             raise self._infrastructure_error(action, exc) from exc
 
     def _infrastructure_error(self, action: str, exc: BaseException) -> SandboxError:

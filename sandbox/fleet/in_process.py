@@ -15,7 +15,6 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 import docker.errors
-import requests
 
 from sandbox import leases
 from sandbox.base import (
@@ -26,7 +25,7 @@ from sandbox.base import (
     SandboxStartError,
     SandboxUnavailableError,
 )
-from sandbox.docker import OWNER_LABEL, DockerSandbox, docker_client, reap
+from sandbox.docker import DOCKER_FAILURES, OWNER_LABEL, DockerSandbox, docker_client, reap
 from sandbox.fleet.hosts import (
     HOST_LABEL,
     LOCAL_IMAGE,
@@ -39,8 +38,6 @@ from sandbox.fleet.images import fetch_image, has_image, image_tags
 from sandbox.local import LocalSandbox, LocalSandboxConfig
 
 logger = logging.getLogger(__name__)
-
-_DOCKER_FAILURES = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
 class InProcessHost:
@@ -85,7 +82,7 @@ class InProcessHost:
             client = await self._docker()
             try:
                 images = await asyncio.to_thread(image_tags, client)
-            except _DOCKER_FAILURES as exc:
+            except DOCKER_FAILURES as exc:
                 message = f"host {self.name}: cannot list images: {exc}"
                 raise SandboxUnavailableError(message) from exc
         return HostStatus(
@@ -241,7 +238,7 @@ class InProcessHost:
                     self._client = await asyncio.to_thread(
                         docker_client, concurrency, cfg.docker_url, cfg.api_timeout_s
                     )
-                except _DOCKER_FAILURES as exc:
+                except DOCKER_FAILURES as exc:
                     where = cfg.docker_url or "DOCKER_HOST or the local socket"
                     raise SandboxUnavailableError(
                         f"host {self.name}: no Docker daemon answers at {where}: {exc}"
@@ -265,7 +262,7 @@ class InProcessHost:
                     in_use |= {used for used, pool in self._warm.items() if pool}
                     removed = await asyncio.to_thread(self._collect_images, client, in_use)
                     self.counters["images_removed"] += removed
-            except _DOCKER_FAILURES as exc:
+            except DOCKER_FAILURES as exc:
                 raise SandboxStartError(f"host {self.name}: cannot fetch {image}: {exc}") from exc
 
     def _collect_images(self, client: docker.DockerClient, in_use: set[str]) -> int:
@@ -354,7 +351,7 @@ class InProcessHost:
         client = await self._docker()
         try:
             return await asyncio.to_thread(reap, self._labels, client)
-        except _DOCKER_FAILURES as exc:
+        except DOCKER_FAILURES as exc:
             raise SandboxUnavailableError(f"host {self.name}: cannot reap: {exc}") from exc
 
 

@@ -28,8 +28,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import docker.errors
-import requests
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -41,7 +39,7 @@ from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks
 from rollout.trajectory import Trajectory, write_jsonl
 from sandbox.base import SandboxUnavailableError
-from sandbox.docker import docker_client
+from sandbox.docker import DOCKER_FAILURES, docker_client
 from sandbox.fleet.images import has_image
 from slime_ext.job.assembly import harness_for
 from slime_ext.job.config import JobConfig, load_config
@@ -69,7 +67,6 @@ SWE_DOCKER_IMAGE_BUILD = (
     "DOCKER_BUILDKIT=0 docker build -f docker/sandbox-swe-base.Dockerfile "
     f"-t {SWE_DOCKER_IMAGE} docker/"
 )
-_DOCKER_FAILURES = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
 class DemoSandboxError(ValueError):
@@ -122,7 +119,7 @@ def docker_sandbox_problem(job: JobConfig) -> str | None:
     image = job.sandbox.image or SWE_DOCKER_IMAGE
     try:
         client = docker_client(timeout_s=10)
-    except _DOCKER_FAILURES as exc:
+    except DOCKER_FAILURES as exc:
         where = os.environ.get("DOCKER_HOST") or "the local socket"
         return (
             f"--sandbox docker: no Docker daemon answers at {where} ({exc}); start dockerd, "
@@ -131,7 +128,7 @@ def docker_sandbox_problem(job: JobConfig) -> str | None:
     try:
         if has_image(client, image):
             return None
-    except _DOCKER_FAILURES as exc:
+    except DOCKER_FAILURES as exc:
         return f"--sandbox docker: cannot inspect the image {image} ({exc})"
     finally:
         client.close()
