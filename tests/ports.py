@@ -27,14 +27,23 @@ def free_port() -> int:
     nor pick its own (a torch.distributed rendezvous, Ray's dashboard, a launch config),
     drawn from FREE_PORTS: only another draw could take it before its user binds it (a port
     that bind(0) returned was taken by an outgoing connection that way: EADDRINUSE)."""
-    while True:
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports as free_port draws them."""
+    ports: list[int] = []
+    while len(ports) < count:
         port = _DRAW.randrange(*FREE_PORTS)
+        if port in ports:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("0.0.0.0", port))
             except OSError:
                 continue
-            return port
+        ports.append(port)
+    return ports
 
 
 def ray_port_block() -> int:

@@ -38,7 +38,7 @@ from typing import Literal
 
 import pytest
 
-from tests.ports import FREE_PORTS
+from tests.ports import free_ports
 
 Proctrack = Literal["linuxproc", "cgroup"]
 
@@ -300,7 +300,7 @@ def _configure(
             _make_gpu_device(devices / f"gpu{index}")
 
     draw = random.Random()
-    controller_port, *node_ports = _free_ports(draw, 1 + nodes)
+    controller_port, *node_ports = free_ports(1 + nodes)
     block = draw.randrange(1, 255)
     names = [f"node{index}" for index in range(nodes)]
     conf = directory / "slurm.conf"
@@ -371,23 +371,6 @@ def _configure(
 def _make_gpu_device(path: Path) -> None:
     """gres.conf's File= must be a character device (a regular file is rejected): /dev/null's."""
     os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
-
-
-def _free_ports(draw: random.Random, count: int) -> list[int]:
-    """`count` ports that nothing listens on now, where tests.live_server.free_port draws
-    (below Linux's ephemeral range, above the Ray clusters' port blocks)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = draw.randrange(*FREE_PORTS)
-        if port in ports:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        ports.append(port)
-    return ports
 
 
 def _start(cluster: SlurmCluster, runtime: Path, daemons: list[_Daemon]) -> None:

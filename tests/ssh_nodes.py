@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_cluster import _die_with_parent, _free_ports
+from tests.ports import free_port
+from tests.slurm_cluster import _die_with_parent
 
 HOW_TO_INSTALL = "install OpenSSH as root: apt-get install -y openssh-server openssh-client"
 FIRST_HOST = 11  # node K answers at 127.0.B.(11+K), as in tests/slurm_cluster.py
@@ -138,7 +139,7 @@ def ssh_nodes(directory: Path, count: int = 3) -> Iterator[SshNodes]:
     directory.mkdir(parents=True, exist_ok=True)
     PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
     draw = random.Random()
-    port = _free_ports(draw, 1)[0]
+    port = free_port()
     nodes = SshNodes(
         directory=directory,
         addresses=_free_address_block(draw, count, port),

@@ -144,11 +144,11 @@ def test_a_cluster_that_cannot_start_says_why_and_leaves_nothing(
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
-        free_ports = fixture_module._free_ports
+        free_ports = fixture_module.free_ports
         monkeypatch.setattr(  # slurmctld's port is in use
             fixture_module,
-            "_free_ports",
-            lambda draw, count: [taken.getsockname()[1], *free_ports(draw, count - 1)],
+            "free_ports",
+            lambda count: [taken.getsockname()[1], *free_ports(count - 1)],
         )
         with pytest.raises(SlurmClusterError) as failure, slurm_cluster(directory, "linuxproc"):
             pass
