@@ -202,11 +202,3 @@ def megatron_logits(
     program = [str(ROOT / "tests/megatron_forward.py"), str(out), ",".join(map(str, prompt))]
     torchrun_megatron(program, hf_dir, ["--load", str(save_dir)], log)
     return torch.load(out)
-
-
-def doubled_loss(args: Any, batch: Any, logits: Any, sum_of_sample_mean: Any) -> Any:
-    """A negative control's custom loss (a job's train actors import it): ours times 2."""
-    from slime_ext.slime.loss import loss
-
-    value, metrics = loss(args, batch, logits, sum_of_sample_mean)
-    return 2 * value, metrics
