@@ -106,18 +106,48 @@ def rollout_manager(args: Any, groups: list[Any], dp_size: int = 1) -> Any:
     return manager
 
 
-def run_ranks(rank: Callable[..., None], world: int, layout: Any, directory: Path) -> list[Any]:
-    """Spawn `world` gloo ranks: `rank(index, world, port, layout, directory)` saves its
-    results to directory/rank<index>.pt; they are returned in rank order."""
-    import torch
+RANK_PRELOAD = ["tests.rank_preload"]
+"""What the forkserver the ranks fork from imports once (tests/rank_preload.py)."""
+
+
+def spawn_ranks(rank: Callable[..., None], world: int, *args: Any) -> None:
+    """Start `world` gloo ranks, `rank(index, world, init_method, *args)`, and wait for
+    them all (one failing fails the call, with its traceback). They fork from a forkserver
+    that imported what every rank imports (RANK_PRELOAD), in this process's environment
+    as it is now (a forked rank would have the forkserver's); they meet at a file in a new
+    directory, not at a port (nothing to probe, nothing another process can take)."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    from tests.live_server import free_port
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # before the forkserver starts
+    meeting = Path(tempfile.mkdtemp(prefix="opd-ranks-"))
+    try:
+        mp.start_processes(
+            _in_environment, args=(dict(os.environ), rank, world, f"file://{meeting}/store", *args),
+            nprocs=world, join=True, start_method="forkserver",
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(meeting, ignore_errors=True)
 
-    mp.start_processes(
-        rank, args=(world, free_port(), layout, str(directory)), nprocs=world, join=True,
-        start_method="spawn",
-    )  # fmt: skip
+
+def _in_environment(
+    index: int, environ: dict[str, str], rank: Callable[..., None], *args: Any
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    rank(index, *args)
+
+
+def run_ranks(rank: Callable[..., None], world: int, layout: Any, directory: Path) -> list[Any]:
+    """`world` gloo ranks (spawn_ranks): `rank(index, world, init_method, layout,
+    directory)` saves its results to directory/rank<index>.pt; they are returned in rank
+    order."""
+    import torch
+
+    spawn_ranks(rank, world, layout, str(directory))
     return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

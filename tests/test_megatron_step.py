@@ -36,14 +36,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests import slime_cpu
-from tests.slime_driver import require_slime, run_ranks
+from tests.slime_driver import require_slime, run_ranks, spawn_ranks
 
 require_slime()
 
-from tests.live_server import free_port  # noqa: E402
 from tests.test_slime_real import (  # noqa: E402
     KL_COEF,
     ROLLOUTS,
@@ -120,14 +118,14 @@ def gpt_model(
     )  # fmt: skip
 
 
-def init_process(rank: int, world: int, port: int, tp: int, cp: int) -> None:
+def init_process(rank: int, world: int, init_method: str, tp: int, cp: int) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     slime_cpu.install()
     from megatron.core import parallel_state as mpu
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=init_method, rank=rank, world_size=world,
         timeout=timedelta(seconds=90),
     )  # fmt: skip
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
@@ -143,10 +141,10 @@ def close_process() -> None:
 # --- the single-process reference ------------------------------------------------------------
 
 
-def _reference_rank(rank: int, port: int, path: str) -> None:
+def _reference_rank(rank: int, world: int, init_method: str, path: str) -> None:
     from tests.megatron_cpu import cpu_redirects
 
-    init_process(rank, 1, port, 1, 1)
+    init_process(rank, world, init_method, 1, 1)
     case = torch.load(f"{path}/reference_case.pt", weights_only=False)
     args, samples, loss = case["args"], case["samples"], case["loss"]
     local_loss = None
@@ -249,7 +247,9 @@ def doubled_loss(args: Any, batch: Any, logits: Any, sum_of_sample_mean: Any) ->
     return 2 * value, metrics
 
 
-def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], path: str) -> None:
+def _rank(
+    rank: int, world: int, init_method: str, layout: tuple[int, int, int, bool], path: str
+) -> None:
     """Each of the case's runs (`patches`: dotted names of functions given a MonkeyPatch
     for that run) trained on this rank; the results saved for the test."""
     import ray
@@ -257,7 +257,7 @@ def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int, bool], 
     from tests.megatron_cpu import cpu_redirects
 
     tp, cp, _, _ = layout
-    init_process(rank, world, port, tp, cp)
+    init_process(rank, world, init_method, tp, cp)
     # slime's Box holds the payload itself here, not an object ref
     ray.get = lambda value, **kwargs: value  # type: ignore[assignment]
     case = torch.load(f"{path}/case.pt", weights_only=False)
@@ -420,9 +420,7 @@ def _reference_run(path: Path, trajectories: list[Any], vocab: int, loss: str) -
         {"args": args, "samples": samples, "loss": loss, "trajectories": local},
         path / "reference_case.pt",
     )
-    mp.start_processes(
-        _reference_rank, args=(free_port(), str(path)), nprocs=1, join=True, start_method="spawn"
-    )
+    spawn_ranks(_reference_rank, 1, str(path))
     result = torch.load(path / "reference.pt", weights_only=False)
     return {"samples": samples, **result}
 

@@ -352,7 +352,7 @@ def group_advantages(samples: list[Any], normalized: bool = True) -> dict[int, f
 # --- one gloo rank -------------------------------------------------------------------------
 
 
-def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int], path: str) -> None:
+def _rank(rank: int, world: int, init_method: str, layout: tuple[int, int, int], path: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     slime_cpu.install()
@@ -361,7 +361,7 @@ def _rank(rank: int, world: int, port: int, layout: tuple[int, int, int], path: 
 
     tp, cp, _ = layout
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=init_method, rank=rank, world_size=world,
         timeout=timedelta(seconds=90),
     )  # fmt: skip
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)

@@ -17,7 +17,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 
 from slime_ext.losses import (
@@ -29,25 +28,22 @@ from slime_ext.losses import (
     weighted_sum,
 )
 from slime_ext.vocab_parallel import VocabShard, token_logprobs
-from tests.live_server import free_port
+from tests.slime_driver import spawn_ranks
 
 TOKENS, PADDED_VOCAB, REAL_VOCAB = 12, 16, 13
 ATOL = 1e-5
 
 
 def _spawn(worker: Callable[..., None], world_size: int) -> None:
-    port = free_port()
-    mp.start_processes(
-        worker, args=(world_size, port), nprocs=world_size, join=True, start_method="spawn"
-    )
+    spawn_ranks(worker, world_size)
 
 
-def _init(rank: int, world_size: int, port: int) -> None:
+def _init(rank: int, world_size: int, init_method: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=60),
@@ -116,8 +112,8 @@ def _poisoned(batch: dict[str, Tensor], poison: float) -> dict[str, Tensor]:
     return dirty
 
 
-def _tp2_worker(rank: int, world_size: int, port: int) -> None:
-    _init(rank, world_size, port)
+def _tp2_worker(rank: int, world_size: int, init_method: str) -> None:
+    _init(rank, world_size, init_method)
     batch = _batch()
     width = PADDED_VOCAB // world_size
     shard = VocabShard.for_rank(dist.group.WORLD, PADDED_VOCAB, REAL_VOCAB)
@@ -149,8 +145,8 @@ def _tp2_worker(rank: int, world_size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _megatron_worker(rank: int, world_size: int, port: int) -> None:
-    _init(rank, world_size, port)
+def _megatron_worker(rank: int, world_size: int, init_method: str) -> None:
+    _init(rank, world_size, init_method)
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
@@ -199,8 +195,8 @@ def _per_trajectory_objective(
     return weighted_sum(pg + 0.5 * topk, weights[positions])
 
 
-def _cp2_tp2_worker(rank: int, world_size: int, port: int) -> None:
-    _init(rank, world_size, port)
+def _cp2_tp2_worker(rank: int, world_size: int, init_method: str) -> None:
+    _init(rank, world_size, init_method)
     tp_size, cp_size = 2, 2
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
