@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -89,6 +90,24 @@ class Policy(Protocol):
     ) -> Generation: ...
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One turn's generation: its context ids and sampling parameters."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    """The trajectory's id (a backend may route or cache by it)."""
+
+
+class BatchPolicy(Protocol):
+    """A policy that decodes a batch the caller composed (rollout/rounds.py)."""
+
+    async def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """The requests decoded together, their rows in order; a failure fails them all."""
+        ...
+
+
 class HFPolicy:
     """A local transformers model decoding what is pending in worker threads.
 
@@ -100,7 +119,10 @@ class HFPolicy:
     decoded together, one batch at a time (left-padded, sharing one KV cache, each row
     stopping on its own): about twice the tokens per second on `opd demo`'s rollouts
     (bench/policy_batching.py), but a row's logits then depend on its batch mates in their
-    last bits, and so, now and then, does a sampled token.
+    last bits, and so, now and then, does a sampled token. `generate_batch`: a batch the
+    caller composed, decoded together whatever is pending: rollout/rounds.py composes it
+    by the schedule, so the speed of batches comes without the dependence on timing
+    (bench/policy_batching.py: all three).
 
     A sampled request draws from a generator of its own: seeded by (seed, its
     sampling_key), or, without a key, by the next draw from `generator`, the policy's
@@ -142,6 +164,24 @@ class HFPolicy:
             self._workers.append(asyncio.get_running_loop().create_task(self._drain()))
         return await future
 
+    async def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """`requests` decoded together, max_batch_size rows at a time in their order (one
+        left-padded forward per token, each row stopping on its own): the batch the
+        caller composed, whatever else is pending (rollout/rounds.py fixes it by the
+        schedule, so its rows' last bits are too)."""
+        rows = [
+            _Request(request.input_ids, request.params, self._stream(request.params), None)
+            for request in requests
+        ]
+        results: list[Generation] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start : start + self.max_batch_size]
+            try:
+                results += await asyncio.to_thread(self._decode, chunk)
+            except Exception as err:
+                raise PolicyError(f"generation failed: {err}") from err
+        return results
+
     def _stream(self, params: SamplingParams) -> Any:
         """The generator a request samples from (None for greedy), fixed when it arrives."""
         import torch
@@ -168,11 +208,11 @@ class HFPolicy:
                 results = await asyncio.to_thread(self._decode, batch)
             except Exception as err:  # every caller of the batch learns of it
                 for request in batch:
-                    if not request.future.done():
+                    if request.future is not None and not request.future.done():
                         request.future.set_exception(PolicyError(f"generation failed: {err}"))
                 continue
             for request, result in zip(batch, results, strict=True):
-                if not request.future.done():
+                if request.future is not None and not request.future.done():
                     request.future.set_result(result)
 
     def _decode(self, requests: list[_Request]) -> list[Generation]:
@@ -240,7 +280,8 @@ class _Request:
     params: SamplingParams
     generator: Any
     """Its own torch.Generator (None: greedy)."""
-    future: asyncio.Future[Generation]
+    future: asyncio.Future[Generation] | None
+    """Where its caller waits (None: a batch its caller composed, generate_batch)."""
 
 
 def _sample(logits: Any, params: SamplingParams, generator: Any) -> tuple[int, float]:

@@ -26,9 +26,9 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -36,7 +36,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rollout.chat import ChatRenderer, Message, TrajectoryBuilder
 from rollout.harness.base import SUBMITTED_REASON, Episode, Harness
 from rollout.masking import MaskStats
-from rollout.policy import GenerationAborted, Policy, PolicyError, SamplingParams
+from rollout.policy import (
+    BatchPolicy,
+    Generation,
+    GenerationAborted,
+    Policy,
+    PolicyError,
+    SamplingParams,
+)
+from rollout.rounds import RoundMember, Rounds
 from rollout.trajectory import (
     DEADLINE_REASON,
     MaskTier,
@@ -108,6 +116,11 @@ class RunnerConfig(BaseModel):
     span once the trajectory ended; trajectory: one tree-packed request for the whole
     trajectory once it ended (hf teacher; each token computed once)."""
     teacher_top_k: int = Field(default=0, ge=0)
+    rounds: bool = False
+    """Decode in rounds (rollout/rounds.py): every generating trajectory's next turn in one
+    batch, cut when all have sent theirs, rows in job order; which turns share a batch is
+    fixed by the jobs and `concurrency`, not by timing. Needs a policy that decodes
+    batches (HFPolicy). False: each request goes to the policy as it comes."""
 
 
 def sampling_key(trajectory_id: str, turn: int, rollout_step: int | None = None) -> str:
@@ -183,6 +196,11 @@ class Runner:
                 "the teacher context reads the finished attempt (a hint written after the "
                 "trajectory): it needs teacher_scoring 'after'"
             )
+        if self.config.rounds and not callable(getattr(policy, "generate_batch", None)):
+            raise ValueError(
+                f"rounds need a policy that decodes batches (generate_batch), and "
+                f"{type(policy).__name__} does not: use HFPolicy or set rounds false"
+            )
         if self.config.teacher_scoring == "trajectory" and teacher_context is not None:
             raise ValueError(
                 "teacher_scoring 'trajectory' scores the student's own contexts; a teacher "
@@ -228,8 +246,14 @@ class Runner:
     ) -> list[Trajectory]:
         """Each (task, sample index) job once, `concurrency` at a time; `on_done(position,
         trajectory)` as each finishes (to save it before the rest are done); results in
-        job order."""
+        job order. With `rounds`, the jobs are admitted in job order, each as one before it
+        stops generating (rollout/rounds.py)."""
         gate = asyncio.Semaphore(self.config.concurrency)
+        rounds = (
+            Rounds(cast(BatchPolicy, self.policy), self.config.concurrency, len(jobs))
+            if self.config.rounds
+            else None
+        )
         with Progress(
             "[progress.description]{task.description}",
             BarColumn(),
@@ -241,8 +265,16 @@ class Runner:
             bar = progress.add_task(description, total=len(jobs))
 
             async def one(position: int, task: Task, index: int) -> Trajectory:
-                async with gate:
-                    trajectory = await self.run_one(task, index, rollout_step)
+                if rounds is None:
+                    async with gate:
+                        trajectory = await self.run_one(task, index, rollout_step)
+                else:
+                    member = rounds.member(position)
+                    await member.admitted()
+                    try:
+                        trajectory = await self.run_one(task, index, rollout_step, member)
+                    finally:
+                        member.leave()
                 if on_done is not None:
                     on_done(position, trajectory)
                 progress.advance(bar)
@@ -255,11 +287,17 @@ class Runner:
             )
 
     async def run_one(
-        self, task: Task, sample_index: int = 0, rollout_step: int | None = None
+        self,
+        task: Task,
+        sample_index: int = 0,
+        rollout_step: int | None = None,
+        member: RoundMember | None = None,
     ) -> Trajectory:
         """One trajectory, ended with a status and a reason whatever its harness, sandbox,
         policy or teacher raise (DESIGN.md invariant 5); only a cancellation of the rollout
-        itself (and KeyboardInterrupt, SystemExit) propagates, after the episode is closed."""
+        itself (and KeyboardInterrupt, SystemExit) propagates, after the episode is closed.
+        `member`: its place in run_jobs' rounds (generates through them, leaves them when
+        it stops generating)."""
         trajectory_id = f"{task.task_id}#{sample_index}"
         started = time.monotonic()
         failure: BaseException | None = None
@@ -276,7 +314,7 @@ class Runner:
         try:
             if failure is None:
                 status, reason, reward = await asyncio.wait_for(
-                    self._episode(task, builder, episodes, scoring, views, rollout_step),
+                    self._episode(task, builder, episodes, scoring, views, rollout_step, member),
                     self.config.trajectory_timeout_s,
                 )
         except BaseException as error:
@@ -372,10 +410,18 @@ class Runner:
         scoring: list[asyncio.Task[None]],
         views: list[TeacherContext],
         rollout_step: int | None,
+        member: RoundMember | None,
     ) -> tuple[TrajectoryStatus, str, float | None]:
-        episode = await self.harness.start(task)
-        episodes.append(episode)
-        status, reason = await self._turns(task, builder, episode, scoring, rollout_step)
+        try:
+            episode = await self.harness.start(task)
+            episodes.append(episode)
+            generate = self.policy.generate if member is None else member.generate
+            status, reason = await self._turns(
+                task, builder, episode, scoring, rollout_step, generate
+            )
+        finally:
+            if member is not None:  # its rounds go on without it
+                member.leave()
         reward = await episode.reward()
         if self.config.teacher_scoring == "after" and builder.turns:
             view = self.teacher_context
@@ -398,6 +444,7 @@ class Runner:
         episode: Episode,
         scoring: list[asyncio.Task[None]],
         rollout_step: int | None,
+        generate: Callable[..., Awaitable[Generation]],
     ) -> tuple[TrajectoryStatus, str]:
         for turn in range(self.config.max_turns):
             context = builder.next_context()
@@ -410,7 +457,7 @@ class Runner:
             params = self.sampling.model_copy(
                 update={"max_new_tokens": budget, "sampling_key": key}
             )
-            generation = await self.policy.generate(context, params, builder.trajectory_id)
+            generation = await generate(context, params, builder.trajectory_id)
             if generation.finish_reason == "abort":  # a partial span is not a turn
                 raise GenerationAborted(
                     generation.abort_message or "abort", len(generation.output_ids)

@@ -10,9 +10,9 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -26,6 +26,7 @@ from rollout.harness.tir import TIRHarness
 from rollout.policy import (
     SGLANG_MAX_SEED,
     Generation,
+    GenerationRequest,
     HFPolicy,
     Policy,
     SamplingParams,
@@ -104,6 +105,22 @@ class Unkeyed:
         return await self.policy.generate(input_ids, unkeyed, session_id)
 
 
+class RecordedBatches:
+    """HFPolicy, each batch it is given recorded by its requests' sampling keys."""
+
+    def __init__(self, policy: HFPolicy, batches: list[list[str]]) -> None:
+        self.policy, self.batches = policy, batches
+
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, session_id: str | None = None
+    ) -> Generation:
+        raise AssertionError("in rounds every generation goes through generate_batch")
+
+    async def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        self.batches.append([str(request.params.sampling_key) for request in requests])
+        return await self.policy.generate_batch(requests)
+
+
 def _rollouts(
     student: tuple[Any, Any],
     *,
@@ -112,13 +129,18 @@ def _rollouts(
     max_delay_s: float,
     policy_options: dict[str, Any] | None = None,
     unkeyed: bool = False,
+    rounds: list[list[str]] | None = None,
 ) -> list[Trajectory]:
+    """`rounds`: decode in rounds, each batch's sampling keys appended there."""
     model, tokenizer = student
     harness = SlowTools(tir_harness(), delay_seed, max_delay_s)
     policy: Policy = HFPolicy(model, tokenizer.eos_token_id, seed=7, **(policy_options or {}))
     if unkeyed:
         policy = Unkeyed(policy)
+    if rounds is not None:
+        policy = RecordedBatches(cast(HFPolicy, policy), rounds)
     config = RunnerConfig(
+        rounds=rounds is not None,
         concurrency=concurrency,
         max_turns=3,
         max_new_tokens=40,
@@ -157,6 +179,29 @@ def test_samples_do_not_depend_on_batching_concurrency_or_tool_latency(
     assert [t.status for t in wide] == [t.status for t in narrow]
     assert [t.reward for t in wide] == [t.reward for t in narrow]
     assert len({tuple(s[0]) for s in _samples(wide)}) > len(wide) // 2  # samples differ
+
+
+@pytest.mark.timeout(300)
+def test_rounds_batch_by_the_schedule_so_tool_latency_changes_no_bit(
+    student: tuple[Any, Any],
+) -> None:
+    """Twelve trajectories, 4 at a time, decoded in rounds: with instant tools and with
+    tools delayed at random, the same batches (the same turns together, in the same order)
+    and so the same ids and log-probs, bit for bit. The control: decoded alone, the same
+    trajectories' log-probs differ in their last bits (batch mates do change them: the
+    equality is the schedule's doing)."""
+    fast_batches: list[list[str]] = []
+    slow_batches: list[list[str]] = []
+    fast = _rollouts(student, concurrency=4, delay_seed=0, max_delay_s=0.0, rounds=fast_batches)
+    slow = _rollouts(student, concurrency=4, delay_seed=1, max_delay_s=0.05, rounds=slow_batches)
+    assert fast_batches == slow_batches
+    assert max(len(batch) for batch in fast_batches) == 4  # batched, at most 4 at once
+    assert sum(len(batch) for batch in fast_batches) == sum(t.num_turns for t in fast)
+    assert _samples(fast) == _samples(slow)
+    assert _logprobs(fast) == _logprobs(slow)
+    assert [t.reward for t in fast] == [t.reward for t in slow]
+    alone = _rollouts(student, concurrency=4, delay_seed=0, max_delay_s=0.0)
+    assert _logprobs(alone) != _logprobs(fast)
 
 
 @pytest.mark.timeout(300)

@@ -180,6 +180,12 @@ class RolloutConfig(Section):
     trajectories, with --n-samples-per-prompt 1)."""
     concurrency: int = Field(default=8, ge=1)
     """Trajectories in flight at once."""
+    rounds: bool = True
+    """One machine (`opd train`, `opd demo`): the local student decodes in rounds, every
+    generating trajectory's next turn in one batch, the batches fixed by the schedule
+    (rollout/rounds.py): fast, and the same run on an idle or a loaded machine for a given
+    concurrency. False: each turn decoded alone (batch-invariant whatever the concurrency;
+    slower). A cluster job's SGLang engines batch on their own and ignore it."""
     trajectory_timeout_s: float = Field(default=600.0, gt=0.0)
     """Wall-clock limit of one trajectory; past it the trajectory ends as aborted."""
 

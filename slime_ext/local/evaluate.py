@@ -42,8 +42,10 @@ async def evaluate(
     max_turns: int = 4,
     max_new_tokens: int = 64,
     max_context_tokens: int = 1024,
+    rounds: bool = False,
 ) -> list[Trajectory]:
-    """One greedy trajectory per task, in task order."""
+    """One greedy trajectory per task, in task order (`rounds`: decoded in rounds,
+    rollout/rounds.py; the policy must decode batches)."""
     renderer = ChatRenderer(tokenizer, harness.tools)
     config = RunnerConfig(
         concurrency=concurrency,
@@ -51,6 +53,7 @@ async def evaluate(
         max_new_tokens=max_new_tokens,
         max_context_tokens=max_context_tokens,
         sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0),
+        rounds=rounds,
     )
     return await Runner(harness, policy, renderer, config).run(tasks)
 

@@ -278,7 +278,7 @@ class LocalRun:
         renderer = ChatRenderer(
             self.tokenizer, harness.tools, think_policy=job.rollout.think_policy
         )
-        config = runner_config(job)
+        config = runner_config(job).model_copy(update={"rounds": job.rollout.rounds})
         (self.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
         history: list[dict[str, float]] = []
         report = self._start_report(recipe, total, heldout)
@@ -380,6 +380,7 @@ class LocalRun:
             max_turns=rollout.max_turns,
             max_new_tokens=rollout.max_new_tokens,
             max_context_tokens=rollout.max_context_tokens,
+            rounds=rollout.rounds,
         )
         seconds = time.perf_counter() - started
         return {**accuracy_metrics(correct(trajectories)), "perf/eval_time": seconds}

@@ -147,7 +147,7 @@ async def _trajectories(model_dir: Path, tasks: list[Any], job: JobConfig) -> li
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     policy = HFPolicy(model, tokenizer.eos_token_id)
     if job.rollout.harness != "swe":
-        return await evaluate(policy, tokenizer, tasks, tir_harness())
+        return await evaluate(policy, tokenizer, tasks, tir_harness(), rounds=job.rollout.rounds)
     rollout = job.rollout
     async with JobSandboxes.of_job(job, run_owner(job.logging.run_dir)) as sandboxes:
         return await evaluate(
@@ -159,6 +159,7 @@ async def _trajectories(model_dir: Path, tasks: list[Any], job: JobConfig) -> li
             max_turns=rollout.max_turns,
             max_new_tokens=rollout.max_new_tokens,
             max_context_tokens=rollout.max_context_tokens,
+            rounds=rollout.rounds,
         )
 
 
