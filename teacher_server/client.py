@@ -25,6 +25,9 @@ from teacher_server.api import (
     TrajectoryScoreResponse,
 )
 
+CONTROL_CONNECTIONS = 4
+"""A client's connections for session deletes and info calls, beside its scoring ones."""
+
 
 class TeacherError(RuntimeError):
     """Any failure talking to the teacher service."""
@@ -54,7 +57,10 @@ class TeacherTimeout(TeacherError):
 class TeacherClient:
     """`async with TeacherClient(url) as teacher: results = await teacher.score(items)`.
 
-    At most `max_concurrency` requests in flight; each has a deadline of `timeout_s`;
+    At most `max_concurrency` scoring requests in flight; session deletes and info calls
+    have a pool of their own (CONTROL_CONNECTIONS), so they never wait behind scoring (a
+    round of 32 trajectories ending together deletes 32 sessions while their last spans
+    are scored). Each request has a deadline of `timeout_s`;
     connection errors and 503 answers are retried `retries` times with jittered
     exponential backoff (honouring Retry-After); 4xx answers (a body or batch over the
     server's limits: 413) are not retried.
@@ -74,16 +80,18 @@ class TeacherClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = base_url.rstrip("/")
         """The service's address: every error names it (a job has several peers)."""
-        self._http = httpx.AsyncClient(
-            base_url=self.url,
-            headers=headers,
-            timeout=timeout_s,
-            limits=httpx.Limits(
-                max_connections=max_concurrency, keepalive_expiry=CLIENT_KEEP_ALIVE_S
-            ),
-            transport=transport,
+        self._http, self._control = (
+            httpx.AsyncClient(
+                base_url=self.url,
+                headers=headers,
+                timeout=timeout_s,
+                limits=httpx.Limits(max_connections=size, keepalive_expiry=CLIENT_KEEP_ALIVE_S),
+                transport=transport,
+            )
+            for size in (max_concurrency, CONTROL_CONNECTIONS)
         )
         self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._control_semaphore = asyncio.Semaphore(CONTROL_CONNECTIONS)
         self.retries = retries
         self.backoff_s = backoff_s
 
@@ -95,6 +103,7 @@ class TeacherClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+        await self._control.aclose()
 
     async def score(self, items: Sequence[ScoreItem]) -> list[ScoreResult]:
         body = ScoreRequest(requests=list(items)).model_dump(mode="json")
@@ -151,18 +160,21 @@ class TeacherClient:
         # quoted whole, dots too: a trajectory id like "task#0" would end the path at '#',
         # and an id ".." would be resolved away as a dot segment
         segment = quote(session_id, safe="").replace(".", "%2E")
-        payload = await self._call("DELETE", f"/v1/sessions/{segment}")
+        payload = await self._call("DELETE", f"/v1/sessions/{segment}", control=True)
         return SessionDeleted.model_validate(payload).deleted
 
     async def info(self) -> ServerInfo:
-        return ServerInfo.model_validate(await self._call("GET", "/v1/info"))
+        return ServerInfo.model_validate(await self._call("GET", "/v1/info", control=True))
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _call(self, method: str, path: str, control: bool = False, **kwargs: Any) -> Any:
         attempt, request = 0, f"{method} {self.url}{path}"
+        http, semaphore = (
+            (self._control, self._control_semaphore) if control else (self._http, self._semaphore)
+        )
         while True:
             try:
-                async with self._semaphore:
-                    response = await self._http.request(method, path, **kwargs)
+                async with semaphore:
+                    response = await http.request(method, path, **kwargs)
             except httpx.TimeoutException as err:
                 raise TeacherTimeout(f"{request}: no answer in time ({err})") from err
             except httpx.TransportError as err:

@@ -575,3 +575,38 @@ def test_metrics_answer_while_sessions_come_and_go(full_dir: Path) -> None:
         assert statuses == [200] * 100, Counter(statuses)
         text = httpx.get(f"{teacher.url}/metrics").text
         assert f"opd_teacher_sessions {len(sessions)}" in text
+
+
+def test_a_session_delete_does_not_wait_behind_scoring_requests() -> None:
+    """Every scoring connection of a client is taken by requests the server holds (a round
+    of trajectories scored at once on a loaded teacher): deleting a session still answers
+    at once, on the client's control connections, and the held requests finish."""
+    import fastapi
+
+    release = threading.Event()
+    app = fastapi.FastAPI()
+
+    @app.post("/v1/score")
+    def score(body: dict[str, Any]) -> dict[str, Any]:  # a worker thread, held
+        release.wait(30)
+        return {"results": [{"logprobs": [0.0], "cached_tokens": 0}]}
+
+    @app.delete("/v1/sessions/{session_id:path}")
+    async def delete(session_id: str) -> dict[str, Any]:
+        return {"session_id": session_id, "deleted": True}
+
+    item = ScoreItem(input_ids=[1, 2, 3], span_start=2)
+
+    async def run(url: str) -> float:
+        async with TeacherClient(url, max_concurrency=2) as teacher:
+            held = [asyncio.create_task(teacher.score([item])) for _ in range(3)]
+            await asyncio.sleep(0.5)  # two on the wire, one waiting for them
+            started = time.monotonic()
+            assert await asyncio.wait_for(teacher.drop_session("t#0"), 5)
+            waited = time.monotonic() - started
+            release.set()
+            assert len(await asyncio.wait_for(asyncio.gather(*held), 10)) == 3
+            return waited
+
+    with serve_in_thread(app) as url:
+        assert asyncio.run(run(url)) < 2
