@@ -1,0 +1,99 @@
+"""The `opd demo` stages, decoded each turn alone (`rollout.rounds: false`, as before
+rounds) and in rounds (the default, rollout/rounds.py), side by side in one run: greedy
+evaluation (held-out problems per second), the training steps' generation (generated
+tokens per second of rollout time), their rollout, training and whole step times.
+
+The training steps are the demo's (32 problems, per-turn OPD against the bundled teacher
+served on 127.0.0.1, the trainer's tree-packed step), `--steps` of them per mode from the
+same start, in fresh run directories; the evaluation is the demo's on the first
+`--problems` held-out problems. Modes interleave and each keeps the faster of `--repeats`
+passes (machines are noisy). Prints a table and the rounds / alone ratios.
+
+    .venv/bin/python bench/demo_stages.py [--steps 3] [--problems 96] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout.policy import HFPolicy
+from rollout.tasks.arithmetic import make_tasks
+from slime_ext.job.config import JobConfig
+from slime_ext.local.evaluate import evaluate, heldout_tasks
+from slime_ext.local.loop import LocalRun, embedded_teacher, tir_harness
+from slime_ext.local.opd_demo import demo_job
+from slime_ext.models.refs import bundled_models
+
+MODES = {"alone": False, "rounds": True}
+
+
+def _job(run_dir: Path, steps: int, rounds: bool) -> JobConfig:
+    job = demo_job(run_dir, steps)
+    return job.model_copy(update={"rollout": job.rollout.model_copy(update={"rounds": rounds})})
+
+
+def evaluation_rate(student: Path, problems: int, rounds: bool) -> float:
+    """Held-out problems per second of the demo's greedy evaluation."""
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    model = AutoModelForCausalLM.from_pretrained(student).eval()
+    tasks = heldout_tasks(problems)
+    started = time.perf_counter()
+    policy = HFPolicy(model, tokenizer.eos_token_id)
+    asyncio.run(evaluate(policy, tokenizer, tasks, tir_harness(), rounds=rounds))
+    return problems / (time.perf_counter() - started)
+
+
+def training_stages(student: Path, teacher_url: str, steps: int, rounds: bool) -> dict[str, float]:
+    """Per step, averaged over `steps` demo steps: generated tokens per second of rollout
+    time, and the rollout, training and step seconds (the loop's own perf/ metrics)."""
+    with tempfile.TemporaryDirectory(prefix="opd-stages-") as directory:
+        run_dir = Path(directory)
+        run = LocalRun(_job(run_dir, steps, rounds), student, run_dir, Console(quiet=True))
+        asyncio.run(run.train(make_tasks(4000, "train", seed=1), teacher_url))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens = sum(r["rollout/turns"] * r["rollout/tokens_per_turn"] for r in rows)
+    rollout_s = sum(r["perf/rollout_time"] for r in rows)
+    return {
+        "generation tokens/s": tokens / rollout_s,
+        "rollout s/step": rollout_s / len(rows),
+        "train s/step": sum(r["perf/train_time"] for r in rows) / len(rows),
+        "step s": sum(r["perf/step_time"] for r in rows) / len(rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--problems", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    student, teacher = bundled_models()
+    best: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
+    faster = {"eval problems/s": max, "generation tokens/s": max}
+    with (
+        tempfile.TemporaryDirectory(prefix="opd-stages-teacher-") as directory,
+        embedded_teacher(teacher, Path(directory) / "teacher.log") as teacher_url,
+    ):
+        for _ in range(args.repeats):
+            for mode, rounds in MODES.items():
+                measured = {"eval problems/s": evaluation_rate(student, args.problems, rounds)}
+                measured |= training_stages(student, teacher_url, args.steps, rounds)
+                for name, value in measured.items():
+                    pick = faster.get(name, min)
+                    best[mode][name] = pick(best[mode].get(name, value), value)
+    print(f"{'stage':<22}{'alone':>10}{'rounds':>10}{'rounds/alone':>14}")
+    for name in best["alone"]:
+        alone, rounds_value = best["alone"][name], best["rounds"][name]
+        print(f"{name:<22}{alone:>10.2f}{rounds_value:>10.2f}{rounds_value / alone:>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
