@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -26,6 +27,7 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.prefixes import DEFAULT_MAX_BYTES, Prefix, PrefixStore, full_attention_only
 from teacher_server.api import ROUTING_HEADER, SGLANG_KEEP_ALIVE_S, routing_key
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -138,6 +140,7 @@ class HFPolicy:
         max_wait_s: float = 0.005,
         batch_invariant: bool = True,
         decode_threads: int = 2,
+        prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         import torch
 
@@ -153,12 +156,18 @@ class HFPolicy:
         self.decode_threads = decode_threads if batch_invariant else 1
         self._pending: list[_Request] = []
         self._workers: list[asyncio.Task[None]] = []
+        self.prefixes = PrefixStore(prefix_cache_bytes)
+        """Each trajectory's keys and values, for its next turn (rollout/prefixes.py)."""
+        self._reuse = full_attention_only(model)
+        self.context_tokens = Counter[str]()
+        """Contexts' tokens: "reused" from a session's prefix, "encoded" by a forward."""
 
     async def generate(
         self, input_ids: list[int], params: SamplingParams, session_id: str | None = None
     ) -> Generation:
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(input_ids, params, self._stream(params), future))
+        request = _Request(input_ids, params, self._stream(params), future, session_id)
+        self._pending.append(request)
         self._workers = [worker for worker in self._workers if not worker.done()]
         if len(self._workers) < self.decode_threads:
             self._workers.append(asyncio.get_running_loop().create_task(self._drain()))
@@ -170,8 +179,8 @@ class HFPolicy:
         caller composed, whatever else is pending (rollout/rounds.py fixes it by the
         schedule, so its rows' last bits are too)."""
         rows = [
-            _Request(request.input_ids, request.params, self._stream(request.params), None)
-            for request in requests
+            _Request(r.input_ids, r.params, self._stream(r.params), None, r.session_id)
+            for r in requests
         ]
         results: list[Generation] = []
         for start in range(0, len(rows), self.max_batch_size):
@@ -181,6 +190,34 @@ class HFPolicy:
             except Exception as err:
                 raise PolicyError(f"generation failed: {err}") from err
         return results
+
+    def end_session(self, session_id: str) -> None:
+        """The trajectory ended: forget its prefix."""
+        self.prefixes.drop(session_id)
+
+    def _reusable(self, request: _Request) -> tuple[int, Prefix | None]:
+        if not self._reuse:
+            return 0, None
+        return self.prefixes.reusable(request.session_id, request.input_ids)
+
+    def _keep_prefixes(
+        self, requests: list[_Request], outputs: list[list[int]], cache: Any, width: int
+    ) -> None:
+        """Each session's keys and values of what this forward saw: its context and every
+        generated token fed back (all but the last), cut out of the batch's rows."""
+        for row, request in enumerate(requests):
+            if request.session_id is None:
+                continue
+            ids = (*request.input_ids, *outputs[row][:-1])
+            start = width - len(request.input_ids)
+            layers = tuple(
+                (
+                    layer.keys[row : row + 1, :, start : start + len(ids)].clone(),
+                    layer.values[row : row + 1, :, start : start + len(ids)].clone(),
+                )
+                for layer in cache.layers
+            )
+            self.prefixes.put(request.session_id, Prefix(ids, layers))
 
     def _stream(self, params: SamplingParams) -> Any:
         """The generator a request samples from (None for greedy), fixed when it arrives."""
@@ -226,15 +263,24 @@ class HFPolicy:
         logprobs: list[list[float]] = [[] for _ in range(rows)]
         reasons: list[FinishReason] = ["length"] * rows
         active = [True] * rows
+        reused = [self._reusable(request) for request in requests]
+        for request, (n, _) in zip(requests, reused, strict=True):
+            self.context_tokens["reused"] += n
+            self.context_tokens["encoded"] += len(request.input_ids) - n
+        # the batch feeds each row's tokens past its reused prefix, right-aligned; a row
+        # that reused less is fed some of its held tokens again (fed: the widest tail)
+        fed = max(len(r.input_ids) - n for r, (n, _) in zip(requests, reused, strict=True))
         with torch.no_grad():
             device = next(self.model.parameters()).device
-            input_ids = torch.zeros((rows, width), dtype=torch.long)
+            input_ids = torch.zeros((rows, fed), dtype=torch.long)
             attention = torch.zeros((rows, width), dtype=torch.long)
             for row, request in enumerate(requests):
-                ids = request.input_ids
-                input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                attention[row, width - len(ids) :] = 1
+                ids = request.input_ids[-fed:]
+                input_ids[row, fed - len(ids) :] = torch.tensor(ids)
+                attention[row, width - len(request.input_ids) :] = 1
             cache = DynamicCache(config=self.model.config)
+            if fed < width:
+                _seed_cache(cache, requests, reused, fed, width - fed, device)
             step_ids = input_ids
             for step in range(max(request.params.max_new_tokens for request in requests)):
                 positions = attention.cumsum(-1)[:, -step_ids.shape[1] :] - 1
@@ -267,11 +313,36 @@ class HFPolicy:
                     break
                 step_ids = next_ids
                 attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long)], 1)
+        if self.prefixes.max_bytes > 0 and self._reuse:
+            self._keep_prefixes(requests, outputs, cache, width)
         model_s = time.perf_counter() - started
         return [
             Generation(output_ids=o, logprobs=lp, finish_reason=r, model_s=model_s)
             for o, lp, r in zip(outputs, logprobs, reasons, strict=True)
         ]
+
+
+def _seed_cache(
+    cache: Any, requests: list[_Request], reused: list[tuple[int, Prefix | None]], fed: int,
+    held: int, device: Any,
+) -> None:  # fmt: skip
+    """`cache` holding the `held` columns before the fed tail: each row's tokens before
+    its last `fed` (all within its reused prefix), right-aligned; zeros on the left of a
+    row with fewer (masked, as left padding is)."""
+    import torch
+
+    template = next(prefix for _, prefix in reused if prefix is not None)
+    for layer, (keys, _) in enumerate(template.layers):
+        shape = (len(requests), keys.shape[1], held, keys.shape[3])
+        layer_keys = torch.zeros(shape, dtype=keys.dtype, device=device)
+        layer_values = torch.zeros(shape, dtype=keys.dtype, device=device)
+        for row, (request, (_, prefix)) in enumerate(zip(requests, reused, strict=True)):
+            mine = len(request.input_ids) - fed
+            if prefix is None or mine <= 0:
+                continue
+            layer_keys[row, :, held - mine :] = prefix.layers[layer][0][0, :, :mine]
+            layer_values[row, :, held - mine :] = prefix.layers[layer][1][0, :, :mine]
+        cache.update(layer_keys, layer_values, layer)
 
 
 @dataclass
@@ -282,6 +353,8 @@ class _Request:
     """Its own torch.Generator (None: greedy)."""
     future: asyncio.Future[Generation] | None
     """Where its caller waits (None: a batch its caller composed, generate_batch)."""
+    session_id: str | None = None
+    """Its trajectory: the prefix its last generation left is reused (rollout/prefixes.py)."""
 
 
 def _sample(logits: Any, params: SamplingParams, generator: Any) -> tuple[int, float]:

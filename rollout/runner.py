@@ -422,6 +422,9 @@ class Runner:
         finally:
             if member is not None:  # its rounds go on without it
                 member.leave()
+            end_session = getattr(self.policy, "end_session", None)
+            if callable(end_session):  # a local policy's prefix of this trajectory
+                end_session(builder.trajectory_id)
         reward = await episode.reward()
         if self.config.teacher_scoring == "after" and builder.turns:
             view = self.teacher_context
