@@ -119,12 +119,15 @@ _ARGUMENTS_TOO_LONG = re.compile(
 
 # Kills every process this user ($2) may signal except init (pid 1), the main process ($1)
 # and itself. kill -1 is atomic against forks; the loop catches what it cannot reach (a
-# root user must spare the main process, which runs as root too). Builtins only: a full
-# pids cgroup refuses forks, but an exec still joins it.
+# root user must spare the main process, which runs as root too). Builtins only (a full
+# pids cgroup refuses forks, but an exec still joins it), but for the pause between passes
+# after the 20th: a killed process needs CPU time to go, scarce on a loaded machine (100
+# passes without one failed in CI); a sleep that cannot fork fails at once, and the loop
+# goes on as before. At most 20 + 280 passes, about 15 s.
 _SWEEP = """
 [ "$2" = 0 ] || kill -KILL -1 2>/dev/null
 i=0
-while [ "$i" -lt 100 ]; do
+while [ "$i" -lt 300 ]; do
   left=
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
@@ -135,6 +138,7 @@ while [ "$i" -lt 100 ]; do
   done
   [ -z "$left" ] && exit 0
   i=$((i + 1))
+  [ "$i" -gt 20 ] && sleep 0.05
 done
 exit 1
 """
