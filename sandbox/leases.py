@@ -229,9 +229,12 @@ async def kill_uid_processes(uid: int, wait_s: float = 5.0) -> None:
     """SIGKILL every process running as `uid`, wherever it hides (other sessions, other
     pid namespaces), and wait until none runs. kill(-1) from a process of that uid
     reaches exactly those; the kernel walks the task list under a lock, so no fork
-    escapes it. Delivery is asynchronous, hence the wait."""
+    escapes it. Delivery is asynchronous, hence the wait. With no live process of `uid`
+    there is nothing to kill and nothing that could start one (only a process of that uid
+    forks as it): the kill is not spawned (a fork of this whole process, holding its
+    interpreter: the most costly step of closing a sandbox once its worker has ended)."""
     deadline = time.monotonic() + wait_s
-    while True:
+    while uid_processes(uid, include_zombies=False):
         try:
             proc = await asyncio.create_subprocess_exec(
                 "/bin/sh",
