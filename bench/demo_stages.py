@@ -1,7 +1,10 @@
-"""The `opd demo` stages, decoded each turn alone (`rollout.rounds: false`, as before
-rounds) and in rounds (the default, rollout/rounds.py), side by side in one run: greedy
-evaluation (held-out problems per second), the training steps' generation (generated
-tokens per second of rollout time), their rollout, training and whole step times.
+"""The `opd demo` stages before and after rounds and prefix reuse, side by side in one
+run: "before" decodes each turn alone and encodes its whole context (`rollout.rounds:
+false`, no prefix reuse: the demo until 2026-12-06), "rounds" decodes in rounds
+(rollout/rounds.py), "now" in rounds with each trajectory's prefix reused
+(rollout/prefixes.py: the default). Measured: greedy evaluation (held-out problems per
+second), the training steps' generation (generated tokens per second of rollout time),
+their rollout, training and whole step times.
 
 The training steps are the demo's (32 problems, per-turn OPD against the bundled teacher
 served on 127.0.0.1, the trainer's tree-packed step), `--steps` of them per mode from the
@@ -10,6 +13,9 @@ same start, in fresh run directories; the evaluation is the demo's on the first
 passes (machines are noisy). Prints a table and the rounds / alone ratios.
 
     .venv/bin/python bench/demo_stages.py [--steps 3] [--problems 96] [--repeats 1]
+
+The ratios are per second for rates and per step for times: a time ratio under 1 is
+faster.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout.policy import HFPolicy
+from rollout.prefixes import DEFAULT_MAX_BYTES, PrefixStore
 from rollout.tasks.arithmetic import make_tasks
 from slime_ext.job.config import JobConfig
 from slime_ext.local.evaluate import evaluate, heldout_tasks
@@ -32,7 +39,8 @@ from slime_ext.local.loop import LocalRun, embedded_teacher, tir_harness
 from slime_ext.local.opd_demo import demo_job
 from slime_ext.models.refs import bundled_models
 
-MODES = {"alone": False, "rounds": True}
+MODES = {"before": (False, False), "rounds": (True, False), "now": (True, True)}
+"""(rounds, prefix reuse) of each mode."""
 
 
 def _job(run_dir: Path, steps: int, rounds: bool) -> JobConfig:
@@ -40,23 +48,27 @@ def _job(run_dir: Path, steps: int, rounds: bool) -> JobConfig:
     return job.model_copy(update={"rollout": job.rollout.model_copy(update={"rounds": rounds})})
 
 
-def evaluation_rate(student: Path, problems: int, rounds: bool) -> float:
+def evaluation_rate(student: Path, problems: int, rounds: bool, reuse: bool) -> float:
     """Held-out problems per second of the demo's greedy evaluation."""
     tokenizer = AutoTokenizer.from_pretrained(student)
     model = AutoModelForCausalLM.from_pretrained(student).eval()
     tasks = heldout_tasks(problems)
     started = time.perf_counter()
-    policy = HFPolicy(model, tokenizer.eos_token_id)
+    policy = HFPolicy(model, tokenizer.eos_token_id, prefix_cache_bytes=DEFAULT_MAX_BYTES * reuse)
     asyncio.run(evaluate(policy, tokenizer, tasks, tir_harness(), rounds=rounds))
     return problems / (time.perf_counter() - started)
 
 
-def training_stages(student: Path, teacher_url: str, steps: int, rounds: bool) -> dict[str, float]:
+def training_stages(
+    student: Path, teacher_url: str, steps: int, rounds: bool, reuse: bool
+) -> dict[str, float]:
     """Per step, averaged over `steps` demo steps: generated tokens per second of rollout
     time, and the rollout, training and step seconds (the loop's own perf/ metrics)."""
     with tempfile.TemporaryDirectory(prefix="opd-stages-") as directory:
         run_dir = Path(directory)
         run = LocalRun(_job(run_dir, steps, rounds), student, run_dir, Console(quiet=True))
+        if not reuse:  # a store that keeps nothing: every context encoded whole
+            run.policy.prefixes = PrefixStore(max_bytes=0)
         asyncio.run(run.train(make_tasks(4000, "train", seed=1), teacher_url))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     tokens = sum(r["rollout/turns"] * r["rollout/tokens_per_turn"] for r in rows)
@@ -83,16 +95,19 @@ def main() -> None:
         embedded_teacher(teacher, Path(directory) / "teacher.log") as teacher_url,
     ):
         for _ in range(args.repeats):
-            for mode, rounds in MODES.items():
-                measured = {"eval problems/s": evaluation_rate(student, args.problems, rounds)}
-                measured |= training_stages(student, teacher_url, args.steps, rounds)
+            for mode, (rounds, reuse) in MODES.items():
+                measured = {
+                    "eval problems/s": evaluation_rate(student, args.problems, rounds, reuse)
+                }
+                measured |= training_stages(student, teacher_url, args.steps, rounds, reuse)
                 for name, value in measured.items():
                     pick = faster.get(name, min)
                     best[mode][name] = pick(best[mode].get(name, value), value)
-    print(f"{'stage':<22}{'alone':>10}{'rounds':>10}{'rounds/alone':>14}")
-    for name in best["alone"]:
-        alone, rounds_value = best["alone"][name], best["rounds"][name]
-        print(f"{name:<22}{alone:>10.2f}{rounds_value:>10.2f}{rounds_value / alone:>13.2f}x")
+    print(f"{'stage':<22}" + "".join(f"{mode:>10}" for mode in MODES) + f"{'now/before':>12}")
+    for name in best["before"]:
+        values = [best[mode][name] for mode in MODES]
+        ratio = best["now"][name] / best["before"][name]
+        print(f"{name:<22}" + "".join(f"{v:>10.2f}" for v in values) + f"{ratio:>11.2f}x")
 
 
 if __name__ == "__main__":
