@@ -118,6 +118,12 @@ def test_client_retries_503_then_succeeds_or_gives_up() -> None:
         asyncio.run(run(f"http://127.0.0.1:{free_port()}", retries=2))
 
 
+def _only_network_errors(report: str) -> bool:
+    """Whether a schemathesis report's only problems are network errors (no failed
+    check: no server error, no answer off its schema)."""
+    return "Network Error" in report and "FAILURES" not in report and "Failed checks" not in report
+
+
 @pytest.fixture(scope="module")
 def live_teacher(model_dir: Path) -> Iterator[tuple[str, HFBackend]]:
     metrics = ServerMetrics()
@@ -134,23 +140,17 @@ def test_openapi_fuzz_finds_no_server_error(live_teacher: tuple[str, HFBackend])
     if not Path(schemathesis).exists():
         pytest.skip("schemathesis is not installed (it is in the dev extra)")
     url, _ = live_teacher
-    done = subprocess.run(
-        [
-            schemathesis,
-            "run",
-            f"{url}/openapi.json",
-            "-n",
-            "40",
-            "--seed",
-            "1",
-            "--checks",
-            "not_a_server_error,response_schema_conformance",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
+    command = [
+        schemathesis, "run", f"{url}/openapi.json", "-n", "40", "--seed", "1",
+        "--checks", "not_a_server_error,response_schema_conformance",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=130, check=False)
+    if done.returncode != 0 and _only_network_errors(done.stdout):
+        # once in CI (of about 8 full runs, under load) the coverage phase's TRACE with a
+        # body, refused 413 from its headers with the body unread, had its connection
+        # reset before the answer was read: the same seed again, which a server error
+        # (a 5xx or a schema violation) fails again
+        done = subprocess.run(command, capture_output=True, text=True, timeout=130, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert httpx.get(f"{url}/health").status_code == 200
 
