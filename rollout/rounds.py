@@ -70,7 +70,8 @@ class Rounds:
         if position not in self._members:
             return
         self._members.discard(position)
-        self._pending.pop(position, None)
+        if (pending := self._pending.pop(position, None)) is not None:
+            pending[1].cancel()  # left while its request waited: nobody will decode it
         self._admit_next()
         self._cut_if_complete()
 
