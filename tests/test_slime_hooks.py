@@ -53,10 +53,22 @@ from slime.utils.types import Sample  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 
+_JOB_DIRS: list[Path] = []
+"""Where _args writes its job files: the module's pytest temp directory (set below)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _job_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    _JOB_DIRS.append(tmp_path_factory.mktemp("jobs"))
+    yield
+    _JOB_DIRS.clear()
+
+
 def _args(job: dict[str, Any] | None = None, **overrides: Any) -> Any:
     """slime's arguments for a job (by default the embedded default's), as `opd launch`
     writes them and slime's parser reads them, with `overrides` set."""
-    args = slime_args(config_from_dict(job or {}), Path(tempfile.mkdtemp(prefix="opd-slime-")))
+    directory = Path(tempfile.mkdtemp(prefix="opd-slime-", dir=_JOB_DIRS[-1]))
+    args = slime_args(config_from_dict(job or {}), directory)
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
