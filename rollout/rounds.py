@@ -37,8 +37,6 @@ class Rounds:
         self._members: set[int] = set()
         self._pending: dict[int, tuple[GenerationRequest, asyncio.Future[Generation]]] = {}
         self._decoding: set[asyncio.Task[None]] = set()
-        self.batch_sizes: list[int] = []
-        """Each cut batch's rows, in order (what the schedule fixed)."""
         for _ in range(min(capacity, jobs)):
             self._admit_next()
 
@@ -79,7 +77,6 @@ class Rounds:
         if not self._pending or len(self._pending) < len(self._members):
             return
         batch = [self._pending.pop(position) for position in sorted(self._pending)]
-        self.batch_sizes.append(len(batch))
         task = asyncio.get_running_loop().create_task(self._decode(batch))
         self._decoding.add(task)
         task.add_done_callback(self._decoding.discard)

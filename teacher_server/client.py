@@ -80,16 +80,19 @@ class TeacherClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = base_url.rstrip("/")
         """The service's address: every error names it (a job has several peers)."""
-        self._http, self._control = (
-            httpx.AsyncClient(
+
+        def pool(connections: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
                 base_url=self.url,
                 headers=headers,
                 timeout=timeout_s,
-                limits=httpx.Limits(max_connections=size, keepalive_expiry=CLIENT_KEEP_ALIVE_S),
+                limits=httpx.Limits(
+                    max_connections=connections, keepalive_expiry=CLIENT_KEEP_ALIVE_S
+                ),
                 transport=transport,
             )
-            for size in (max_concurrency, CONTROL_CONNECTIONS)
-        )
+
+        self._http, self._control = pool(max_concurrency), pool(CONTROL_CONNECTIONS)
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._control_semaphore = asyncio.Semaphore(CONTROL_CONNECTIONS)
         self.retries = retries
