@@ -64,10 +64,13 @@ def _job_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     _JOB_DIRS.clear()
 
 
-def _args(job: dict[str, Any] | None = None, **overrides: Any) -> Any:
+def _args(
+    job: dict[str, Any] | None = None, *, under: Path | None = None, **overrides: Any
+) -> Any:
     """slime's arguments for a job (by default the embedded default's), as `opd launch`
-    writes them and slime's parser reads them, with `overrides` set."""
-    directory = Path(tempfile.mkdtemp(prefix="opd-slime-", dir=_JOB_DIRS[-1]))
+    writes them and slime's parser reads them, with `overrides` set. The job files go
+    under `under`, by default this module's temp directory (other modules pass theirs)."""
+    directory = Path(tempfile.mkdtemp(prefix="opd-slime-", dir=under or _JOB_DIRS[-1]))
     args = slime_args(config_from_dict(job or {}), directory)
     for key, value in overrides.items():
         setattr(args, key, value)
@@ -155,6 +158,7 @@ def _served_hook(
         host, port = router.removeprefix("http://").split(":")
         args = _args(
             config,
+            under=job_dir,
             sglang_router_ip=host,
             sglang_router_port=int(port),
             hf_checkpoint=str(tokenizer_dir),
