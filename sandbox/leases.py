@@ -38,6 +38,9 @@ class SandboxLease:
     host's user (no per-sandbox process cap or uid separation then)."""
     workdir: Path
     lock_fd: int | None = None
+    host_scratch: bool = True
+    """Whether its processes can write to the host's scratch directories and IPC (basic
+    isolation): then taking and giving back the uid sweeps them (`sandbox.leftovers`)."""
 
 
 def default_root_dir() -> Path:
@@ -58,9 +61,13 @@ def prepare_root(root_dir: Path) -> None:
     (root_dir / "locks").mkdir(mode=0o700, exist_ok=True)
 
 
-def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
+def acquire(
+    root_dir: Path, uid_base: int, uid_count: int, host_scratch: bool = True
+) -> SandboxLease:
     """Lease a free uid from [uid_base, uid_base + uid_count) and a fresh working
-    directory for it; runs as the host's user (uid None) when the host is not root."""
+    directory for it; runs as the host's user (uid None) when the host is not root.
+    `host_scratch`: whether the holder's processes can write to the host's scratch
+    directories and IPC (basic isolation); False sweeps only the uid's keys."""
     prepare_root(root_dir)
     if os.geteuid() != 0:
         return SandboxLease(uid=None, workdir=Path(tempfile.mkdtemp(prefix="work-", dir=root_dir)))
@@ -82,7 +89,7 @@ def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
         workdir = root_dir / f"work-{uid}"
         try:
             remove_tree(workdir)
-            remove_uid_leftovers(uid, remove_tree_at)
+            remove_uid_leftovers(uid, remove_tree_at, host_scratch)
         except OSError as exc:  # e.g. an immutable file: this uid stays out of use
             logger.warning("sandbox uid %d skipped: cannot remove what it left: %s", uid, exc)
             os.close(lock_fd)
@@ -93,7 +100,7 @@ def acquire(root_dir: Path, uid_base: int, uid_count: int) -> SandboxLease:
         except OSError as exc:
             os.close(lock_fd)
             raise SandboxStartError(f"cannot prepare working directory {workdir}: {exc}") from exc
-        return SandboxLease(uid=uid, workdir=workdir, lock_fd=lock_fd)
+        return SandboxLease(uid, workdir, lock_fd, host_scratch)
     raise SandboxResourceError(
         f"all {uid_count} sandbox uids from {uid_base} are in use; close sandboxes or "
         "raise uid_count"
@@ -107,7 +114,7 @@ def release(lease: SandboxLease) -> None:
     try:
         remove_tree(lease.workdir)
         if lease.uid is not None:
-            remove_uid_leftovers(lease.uid, remove_tree_at)
+            remove_uid_leftovers(lease.uid, remove_tree_at, lease.host_scratch)
     except OSError as exc:
         raise SandboxCleanupError(
             f"cannot remove what the sandbox left ({lease.workdir}, scratch files, IPC "

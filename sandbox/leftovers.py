@@ -6,7 +6,10 @@ uid can write wherever others may: the world-writable scratch directories (/tmp,
 (shared memory, semaphores, message queues). Under either isolation it shares the kernel's
 keyrings: keys added to the uid's user keyrings outlive its processes. All of it would be
 there for the next sandbox that leases the same uid, so it is removed whenever a uid is
-taken or given back (its processes dead by then).
+taken or given back (its processes dead by then). A holder under strict isolation reaches
+none of the host's scratch directories or IPC objects: it clears only the keys, and since
+every holder that can reach them sweeps when it takes the uid, what a crashed basic holder
+left is gone before anything that could see it runs as the uid.
 
 Not covered: a world-writable directory elsewhere on the host (none on a usual Linux
 install), deeper than MAX_DEPTH or reached through a directory others cannot search;
@@ -46,11 +49,17 @@ for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
 """
 
 
-def remove_uid_leftovers(uid: int, remove_at: RemoveAt) -> None:
+def remove_uid_leftovers(uid: int, remove_at: RemoveAt, host_scratch: bool = True) -> None:
     """Remove the scratch files, IPC objects and keys of `uid` (whose processes are dead).
-    Raises OSError when something could not be removed."""
-    remove_scratch_files(uid, remove_at)
-    remove_ipc_objects(uid)
+    `host_scratch` False: only the keys, for a holder whose processes could not reach the
+    host's scratch directories or IPC namespace (strict isolation: a tmpfs /tmp, its own
+    /dev and IPC namespace, nothing of the host writable but its working directory).
+    Sweeping the scratch directories costs milliseconds of the interpreter per sandbox,
+    which a batch of decoding waits on. Raises OSError when something could not be
+    removed."""
+    if host_scratch:
+        remove_scratch_files(uid, remove_at)
+        remove_ipc_objects(uid)
     clear_keyrings(uid)
 
 

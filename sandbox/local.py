@@ -182,7 +182,11 @@ class LocalSandbox(StartsAndCloses):
             root_dir = self.config.root_dir or leases.default_root_dir()
             try:
                 lease = await asyncio.to_thread(
-                    leases.acquire, root_dir, self.config.uid_base, self.config.uid_count
+                    leases.acquire,
+                    root_dir,
+                    self.config.uid_base,
+                    self.config.uid_count,
+                    isolation == "basic",
                 )
             except OSError as exc:
                 raise SandboxStartError(f"cannot create a sandbox under {root_dir}: {exc}") from exc

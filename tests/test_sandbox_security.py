@@ -674,6 +674,60 @@ def test_a_sandbox_leaves_nothing_for_the_next_holder_of_its_uid(
     assert seen == "nothing"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strict", [STRICT])
+def test_a_crashed_basic_holders_traces_are_gone_before_a_basic_sandbox_sees_them(
+    root_dir: Path, shared_dir: Path, monkeypatch: pytest.MonkeyPatch, strict: str
+) -> None:
+    """A strict holder sweeps only its uid's keys (it cannot reach the host's scratch
+    directories or IPC); what a basic holder left without giving the uid back (a crash:
+    its sweep never ran) outlives the strict holder and is gone before the next basic
+    holder's first command."""
+    from sandbox import leases
+
+    cfg = {
+        isolation: config(root_dir, isolation).model_copy(
+            update={"uid_base": UID_BASE + UID_COUNT - 5, "uid_count": 1}
+        )
+        for isolation in (strict, "basic")
+    }
+    tag = f"opd-crash-{os.getpid()}"
+    args = (tag, shared_dir, 0x0EE0 + os.getpid() % 1000)
+    sweeps: list[bool] = []
+    real_remove = leases.remove_uid_leftovers
+
+    def counted(uid: int, remove_at: Any, host_scratch: bool = True) -> None:
+        sweeps.append(host_scratch)
+        real_remove(uid, remove_at, host_scratch)
+
+    async def scenario() -> tuple[list[str], list[str], str]:
+        crashed = LocalSandbox(cfg["basic"])
+        await crashed.start()
+        uid = crashed.uid
+        assert uid is not None
+        await crashed.exec(python_attack(LEAVE_TRACES, *args), 20)
+        await crashed.kill_all()
+        with monkeypatch.context() as crash:  # its give-back sweeps nothing
+            crash.setattr(leases, "remove_uid_leftovers", lambda *a, **k: None)
+            await crashed.close()
+        monkeypatch.setattr(leases, "remove_uid_leftovers", counted)
+        async with LocalSandbox(cfg[strict]) as held:
+            assert held.uid == uid
+        after_strict = _traces_on_host(uid, tag, shared_dir)
+        async with LocalSandbox(cfg["basic"]) as basic:
+            assert basic.uid == uid
+            before_command = _traces_on_host(uid, tag, shared_dir)
+            seen = await basic.exec(python_attack(FIND_TRACES, *args), 20)
+        return after_strict, before_command, seen.stdout.strip()
+
+    after_strict, before_command, seen = run(scenario())
+    assert sweeps == [False, False, True, True]  # strict: keys only; basic: everything
+    # control: the crash left them, and the strict holder did not sweep them
+    assert {"/tmp", "/dev/shm", str(shared_dir), "shm"} <= set(after_strict)
+    assert [trace for trace in before_command if trace != "key"] == []
+    assert seen == "nothing"
+
+
 # -- the host afterwards -------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,10 +74,14 @@ class TIRHarness:
         ]
 
     async def start(self, task: Task) -> TIREpisode:
+        """The episode at once; its python worker starts meanwhile (about 0.1 s of
+        bubblewrap and interpreter start), so the first turn is generated while it does
+        and no batch of turns waits on a sandbox. A worker that fails to start fails the
+        episode's first step with the start's error (a sandbox error), as an awaited start
+        failed the episode before."""
         worker = None
         if self.config.use_tools:
             worker = PythonWorker(self.config.worker)
-            await worker.start()
         return TIREpisode(task, worker, self.config, self.prompts)
 
 
@@ -90,6 +95,7 @@ class TIREpisode:
     ) -> None:
         self.task = task
         self.worker = worker
+        self._starting = asyncio.create_task(worker.start()) if worker is not None else None
         self.config = config
         self.prompts = prompts
         self.tool_calls = 0
@@ -105,6 +111,8 @@ class TIREpisode:
                 tier=MaskTier.VALID if found else None,
                 reason="boxed answer" if found else "no boxed answer",
             )
+        if self._starting is not None:  # every step, as when the start was awaited first
+            await self._starting
         if turn.error is not None:
             answer = last_boxed(turn.message["content"])
             if isinstance(turn.error, NoToolCallError) and answer is not None:
@@ -150,5 +158,11 @@ class TIREpisode:
         return details
 
     async def close(self) -> None:
-        if self.worker is not None:
-            await self.worker.close()
+        if self.worker is None:
+            return
+        assert self._starting is not None
+        self._starting.cancel()  # a start still running; its error, if any, is moot now
+        await asyncio.wait([self._starting])  # (a cancellation of close itself propagates)
+        if not self._starting.cancelled():
+            self._starting.exception()  # retrieved: it was the first step's to raise
+        await self.worker.close()
