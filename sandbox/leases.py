@@ -269,18 +269,21 @@ async def kill_uid_processes(uid: int, wait_s: float = 5.0) -> None:
 
 def uid_processes(uid: int, include_zombies: bool = True) -> list[int]:
     """Pids whose real uid is `uid` (read from status: a process can make its /proc
-    directory root-owned by turning off its dumpable flag)."""
+    directory root-owned by turning off its dumpable flag). Each status is searched for
+    its two fields, not parsed whole: every sandbox start and close scans all of /proc."""
     pids = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"{entry.path}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if ":" in line)
+            with open(f"{entry.path}/status", "rb") as file:
+                status = file.read()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if int(fields["Uid"].split()[0]) != uid:
+        at = status.find(b"\nUid:")
+        if at < 0 or int(status[at + 5 :].split(None, 1)[0]) != uid:
             continue
-        if include_zombies or not fields["State"].strip().startswith("Z"):
+        at = status.find(b"\nState:")
+        if include_zombies or not status[at + 7 :].lstrip().startswith(b"Z"):
             pids.append(int(entry.name))
     return pids
