@@ -232,15 +232,29 @@ def _kill_uid_processes_now(uid: int) -> None:
     )
 
 
-async def kill_uid_processes(uid: int, wait_s: float = 5.0) -> None:
+_DYING_PAUSES = (0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256)
+DYING_GRACE_S = sum(_DYING_PAUSES)
+"""How long kill_uid_processes(dying=True) waits for a pid namespace's teardown (a few
+milliseconds here) before it spawns a kill after all."""
+
+
+async def kill_uid_processes(uid: int, wait_s: float = 5.0, dying: bool = False) -> None:
     """SIGKILL every process running as `uid`, wherever it hides (other sessions, other
     pid namespaces), and wait until none runs. kill(-1) from a process of that uid
     reaches exactly those; the kernel walks the task list under a lock, so no fork
     escapes it. Delivery is asynchronous, hence the wait. With no live process of `uid`
     there is nothing to kill and nothing that could start one (only a process of that uid
     forks as it): the kill is not spawned (a fork of this whole process, holding its
-    interpreter: the most costly step of closing a sandbox once its worker has ended)."""
+    interpreter: the most costly step of closing a sandbox once its worker has ended).
+    `dying`: the caller has just killed what takes every process of `uid` down with it
+    (under strict isolation, each command's bubblewrap: its pid namespace dies with it),
+    so their deaths are awaited for up to DYING_GRACE_S before a kill is spawned."""
     deadline = time.monotonic() + wait_s
+    if dying:
+        for pause in _DYING_PAUSES:
+            if not uid_processes(uid, include_zombies=False):
+                return
+            await asyncio.sleep(pause)
     while uid_processes(uid, include_zombies=False):
         try:
             proc = await asyncio.create_subprocess_exec(

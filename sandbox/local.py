@@ -398,7 +398,8 @@ class LocalSandbox(StartsAndCloses):
             else:
                 self._procs.discard(process)
         if self._jail.uid is not None:
-            await leases.kill_uid_processes(self._jail.uid)
+            dying = self._jail.isolation == "strict"  # each namespace dies with its bwrap
+            await leases.kill_uid_processes(self._jail.uid, dying=dying)
 
     async def close(self) -> None:
         """Kill the sandbox's processes, remove its working directory and free its uid;

@@ -728,6 +728,53 @@ def test_a_crashed_basic_holders_traces_are_gone_before_a_basic_sandbox_sees_the
     assert seen == "nothing"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("isolation", BOTH)
+def test_closing_kills_every_process_of_the_uid_forking_a_kill_only_where_needed(
+    root_dir: Path, isolation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Processes that left the command's group and session live on until close, which
+    leaves none of the uid's. Under strict isolation they die with their pid namespace, so
+    close waits for that instead of forking a kill as the uid (a fork of this whole
+    process); under basic isolation only that kill reaches them (the control)."""
+    from sandbox import leases
+
+    spawned: list[tuple[Any, ...]] = []
+    real_spawn = asyncio.create_subprocess_exec
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        if args[:3] == ("/bin/sh", "-c", "kill -KILL -1"):
+            spawned.append(args)
+        return await real_spawn(*args, **kwargs)
+
+    monkeypatch.setattr(leases.asyncio, "create_subprocess_exec", counted)
+
+    async def scenario() -> tuple[int, list[int], list[int]]:
+        sandbox = LocalSandbox(config(root_dir, isolation))
+        await sandbox.start()
+        uid = sandbox.uid
+        assert uid is not None
+        # 40 processes that left the group: a namespace takes a while to tear down
+        escape = (
+            "setsid sh -c 'for i in $(seq 39); do sleep 300 & done; sleep 300' "
+            "</dev/null >/dev/null 2>&1 & sleep 300"
+        )
+        command = asyncio.create_task(sandbox.exec(escape, 30))
+        for _ in range(200):
+            if len(uid_processes(uid, include_zombies=False)) >= 42:
+                break
+            await asyncio.sleep(0.02)
+        before = uid_processes(uid, include_zombies=False)
+        await sandbox.close()
+        await asyncio.gather(command, return_exceptions=True)
+        return uid, before, uid_processes(uid, include_zombies=False)
+
+    _, before, after = run(scenario())
+    assert len(before) >= 42  # the command and the 41 that left its group
+    assert after == []
+    assert len(spawned) == (0 if isolation == "strict" else 1)
+
+
 # -- the host afterwards -------------------------------------------------------------------
 
 
