@@ -928,7 +928,9 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
     SGLang, the teacher service, the snapshot sync) are background steps that live as long
     as the job, and a trap stops them however the script ends; a daemon that ends while a
     later step runs (the teacher's node lost, Ray's head killed) fails that step and the
-    job at once, instead of leaving training to time out on it. Nodes' addresses come from
+    job at once, instead of leaving training to time out on it; before the job a daemon
+    with restarts (a node's `ray start` joining the head) is started again instead, saying
+    why it ended, as the ssh executor does. Nodes' addresses come from
     Slurm (`scontrol show node`: NodeAddr); secrets are passed by name (exported where
     `sbatch` runs, Slurm and srun pass the environment on), never written here."""
     layout, cluster = job.parallel, job.cluster
@@ -1007,7 +1009,9 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
     srun += [shlex.quote(option) for option in cluster.srun_options]
     shell = " ".join(shlex.quote(part) for part in cluster.remote_shell)
     lines += [
-        "DAEMONS=() NEEDED=() NEEDED_NAMES=()",
+        "DAEMONS=() JOB_STARTED=0",
+        "# the daemons watched while a step runs: pid, name, restarts left and done, needed",
+        "W_PID=() W_NAME=() W_LEFT=() W_DONE=() W_NEEDED=() W_STEP=()",
         "teardown() {",
         "  local status=$?",
         "  trap - EXIT INT TERM",
@@ -1022,31 +1026,59 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
         "  local group=$1 gpus=$2 host=$3; shift 3",
         f'  {" ".join(srun)} {shell} "$*"',
         "}",
-        "# daemon NAME GROUP GPUS HOST COMMAND: a step the job needs, left running until it ends",
-        "daemon() {",
-        "  local name=$1; shift",
+        "# watch_daemon NAME RESTARTS NEEDED GROUP GPUS HOST COMMAND: start it, watched by steps",
+        "watch_daemon() {",
+        "  local name=$1 restarts=$2 needed=$3; shift 3",
         '  step "$@" > "$LOGS/$name.log" 2>&1 &',
-        '  DAEMONS+=("$!") NEEDED+=("$!") NEEDED_NAMES+=("$name")',
+        '  DAEMONS+=("$!") W_PID+=("$!") W_NAME+=("$name") W_LEFT+=("$restarts") W_DONE+=(0)',
+        '  W_NEEDED+=("$needed") W_STEP+=("$(printf "%q " "$@")")',
         "}",
-        "# beside NAME GROUP GPUS HOST COMMAND: a background step the job may outlive",
+        "# daemon NAME RESTARTS GROUP GPUS HOST COMMAND: a step the job needs, left running",
+        "# until it ends; one that ends before the job is started again, RESTARTS times at most",
+        'daemon() { watch_daemon "$1" "$2" 1 "${@:3}"; }',
+        "# beside NAME RESTARTS GROUP GPUS HOST COMMAND: a background step the job may outlive",
+        "# (restarted as a daemon is; one with no restarts is not watched: it may end itself)",
         "beside() {",
-        "  local name=$1; shift",
-        '  step "$@" > "$LOGS/$name.log" 2>&1 &',
+        '  if [ "$2" -gt 0 ]; then watch_daemon "$1" "$2" 0 "${@:3}"; return; fi',
+        '  step "${@:3}" > "$LOGS/$1.log" 2>&1 &',
         '  DAEMONS+=("$!")',
         "}",
-        "# watched COMMAND: runs COMMAND; a daemon that ends meanwhile fails it (and the job)",
+        "# again I: start watched daemon I again, saying why it ended (its log's last lines)",
+        "again() {",
+        "  local i=$1 name=${W_NAME[$1]} n=$(( ${W_DONE[$1]} + 1 ))",
+        "  W_DONE[$i]=$n W_LEFT[$i]=$(( ${W_LEFT[$i]} - 1 ))",
+        '  mv -f "$LOGS/$name.log" "$LOGS/$name.log.$n"',
+        '  echo "daemon $name ended before the job started ($(tail -n 3 "$LOGS/$name.log.$n"'
+        " | paste -sd ' ' - | cut -c1-500)); starting it again ($n of $(( n + ${W_LEFT[$i]} ));"
+        ' its log: $LOGS/$name.log.$n)" >&2',
+        '  eval "step ${W_STEP[$i]}" > "$LOGS/$name.log" 2>&1 &',
+        '  DAEMONS+=("$!") W_PID[$i]=$!',
+        "}",
+        "# watched COMMAND: runs COMMAND; a daemon the job needs that ends meanwhile (and cannot",
+        "# be started again) fails it and the job; one the job may outlive is reported once",
         "watched() {",
         '  "$@" &',
-        "  local main=$! i",
+        "  local main=$! i after",
         '  while kill -0 "$main" 2>/dev/null; do',
-        '    for i in "${!NEEDED[@]}"; do',
-        '      if ! kill -0 "${NEEDED[$i]}" 2>/dev/null; then',
-        '        echo "daemon ${NEEDED_NAMES[$i]} ended while the job ran (its log:'
-        ' $LOGS/${NEEDED_NAMES[$i]}.log): stopping the job" >&2',
-        '        kill -TERM "$main" 2>/dev/null || true',
-        '        wait "$main" 2>/dev/null || true',
-        "        return 1",
+        '    for i in "${!W_PID[@]}"; do',
+        '      kill -0 "${W_PID[$i]}" 2>/dev/null && continue',
+        '      [ "${W_NEEDED[$i]}" = gone ] && continue',
+        '      if [ "$JOB_STARTED" = 0 ] && [ "${W_LEFT[$i]}" -gt 0 ]; then',
+        '        again "$i"',
+        "        continue",
         "      fi",
+        '      if [ "${W_NEEDED[$i]}" = 0 ]; then',
+        "        W_NEEDED[$i]=gone",
+        '        echo "daemon ${W_NAME[$i]} ended (its log: $LOGS/${W_NAME[$i]}.log): the job'
+        ' goes on without it" >&2',
+        "        continue",
+        "      fi",
+        '      after=""; [ "${W_DONE[$i]}" -gt 0 ] && after=", after ${W_DONE[$i]} restart(s)"',
+        '      echo "daemon ${W_NAME[$i]} ended while the job ran (its log:'
+        ' $LOGS/${W_NAME[$i]}.log$after): stopping the job" >&2',
+        '      kill -TERM "$main" 2>/dev/null || true',
+        '      wait "$main" 2>/dev/null || true',
+        "      return 1",
         "    done",
         "    sleep 1",
         "  done",
@@ -1072,9 +1104,12 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
         where = f'{group} "{gpus if step.gpus and group == 0 else ""}" "{node}"'
         if step.kind == "background":
             starter = "beside" if step.ends_itself or not step.needed else "daemon"
-            lines.append(f"{starter} {slug(step.name)} {where} {shlex.quote(step.command)}")
-        else:
-            lines.append(f"watched step {where} {shlex.quote(step.command)}")
+            name = f"{slug(step.name)} {step.restarts}"
+            lines.append(f"{starter} {name} {where} {shlex.quote(step.command)}")
+            continue
+        if step is steps[-1]:  # the job: no daemon is started again from here on
+            lines.append("JOB_STARTED=1")
+        lines.append(f"watched step {where} {shlex.quote(step.command)}")
     # `ray job submit` returned: the job ended; the trap stops the daemons
     return "\n".join(lines) + "\n"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -261,15 +262,33 @@ def test_without_overlap_a_step_waits_for_ever_and_scancel_leaves_nothing(
         assert cluster.processes_left(LEFTOVERS) == []
 
 
+def _refused_once(flag: Path) -> Any:
+    """An edit of the script: ray-worker-1's first `ray start` fails at once, as a join
+    that timed out at startup would (transient); later starts go on."""
+    fail = f"test -e {flag} || {{ touch {flag}; echo join refused once; exit 1; }}; "
+
+    def edit(text: str) -> str:
+        lines = text.splitlines(keepends=True)
+        [index] = [i for i, line in enumerate(lines) if line.startswith("daemon ray-worker-1 ")]
+        head, quote, command = lines[index].partition("'")
+        lines[index] = f"{head}{quote}{fail}{command}"
+        return "".join(lines)
+
+    return edit
+
+
 @pytest.mark.timeout(300)
 def test_killing_the_teacher_mid_run_stops_the_job_and_leaves_nothing(
     tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
 ) -> None:
     """The teacher service dies while the job trains (the stand-in train.py holds): the
     plan's watch sees its step end, fails the job at once (not when training would time out
-    on it) and the teardown leaves no Ray, teacher or training process."""
+    on it) and the teardown leaves no Ray, teacher or training process. Before that, a
+    training node's first `ray start` fails (a transient join failure): the script starts
+    it again, saying why, and the cluster forms."""
     require_slurm("linuxproc")
-    script, job = _submit_variant(tmp_path, factory_dir, request, lambda text: text)
+    flag = tmp_path / "refused-once"
+    script, job = _submit_variant(tmp_path, factory_dir, request, _refused_once(flag))
     (tmp_path / "run/hold").write_text("")
     with slurm_cluster(tmp_path / "slurm", "linuxproc") as cluster:
         job_id = cluster.sbatch(script, _job_env())
@@ -288,6 +307,13 @@ def test_killing_the_teacher_mid_run_stops_the_job_and_leaves_nothing(
         assert cluster.wait_job(job_id, timeout_s=90) == "FAILED"
         assert time.monotonic() - killed < 60  # the stand-in would hold 120 s
         log = next((tmp_path / "run/logs").glob("slurm-*.out")).read_text()
+        assert flag.exists()  # the first join did fail
+        logs = tmp_path / "run/logs"
+        # why it ended (its log's last lines: srun adds its own), then the restart
+        ended = "daemon ray-worker-1 ended before the job started (join refused once"
+        again = f"starting it again (1 of 2; its log: {logs}/ray-worker-1.log.1)"
+        assert re.search(f"{re.escape(ended)}[^\n]*\\); {re.escape(again)}", log), log[-3000:]
+        assert (logs / "ray-worker-1.log.1").read_text().startswith("join refused once\n")
         assert "daemon teacher-service ended while the job ran" in log, log[-3000:]
         assert not (tmp_path / "run/standin-train.json").exists()
         assert cluster.wait_queue_empty(timeout_s=30) == []

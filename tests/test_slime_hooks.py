@@ -64,9 +64,7 @@ def _job_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     _JOB_DIRS.clear()
 
 
-def _args(
-    job: dict[str, Any] | None = None, *, under: Path | None = None, **overrides: Any
-) -> Any:
+def _args(job: dict[str, Any] | None = None, *, under: Path | None = None, **overrides: Any) -> Any:
     """slime's arguments for a job (by default the embedded default's), as `opd launch`
     writes them and slime's parser reads them, with `overrides` set. The job files go
     under `under`, by default this module's temp directory (other modules pass theirs)."""
