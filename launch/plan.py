@@ -422,10 +422,13 @@ def build_plan(
     run_dir: str | None = None,
     wait_for_job: bool = False,
     allow_changed: Sequence[str] = (),
+    submission_id: str | None = None,
 ) -> list[Step]:
     """The steps in order. wait_for_job: `ray job submit` blocks until the job ends (inside
     a Slurm allocation, whose lifetime is the job's); otherwise it returns once submitted.
-    allow_changed: settings a relaunch of the run may change (launch/relaunch.py)."""
+    allow_changed: settings a relaunch of the run may change (launch/relaunch.py).
+    submission_id: the Ray job's id (shell words, expanded on the head), so a teardown can
+    stop the job by it."""
     check_cluster(job)
     layout = resolve_layout(job)  # the hooks read it from job.yaml: they and Megatron agree
     job = job.model_copy(
@@ -464,7 +467,7 @@ def build_plan(
     steps.append(_convert_step(job, hosts))  # before Ray holds the head's GPUs
     steps += _ray_steps(job, hosts)
     steps.append(_prune_step(job, hosts.head, run))
-    submit = _submit_command(job, hooks_yaml, run, wait_for_job)
+    submit = _submit_command(job, hooks_yaml, run, wait_for_job, submission_id)
     note = "; ".join(
         n for n in (f"sequence layout {layout.layout}: {layout.why}", _submit_note(job)) if n
     )
@@ -864,7 +867,9 @@ def secret_names(job: JobConfig) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _submit_command(job: JobConfig, hooks_yaml: str, run: str, wait: bool) -> str:
+def _submit_command(
+    job: JobConfig, hooks_yaml: str, run: str, wait: bool, submission_id: str | None = None
+) -> str:
     cluster = job.cluster
     env = {
         "PYTHONPATH": cluster.megatron_dir,
@@ -882,6 +887,7 @@ def _submit_command(job: JobConfig, hooks_yaml: str, run: str, wait: bool) -> st
     return (
         f"{_in_slime(job)} && ray job submit --address http://127.0.0.1:{cluster.dashboard_port} "
         + ("" if wait else "--no-wait ")
+        + (f"--submission-id {submission_id} " if submission_id else "")
         # the entrypoint runs in the Ray job supervisor's directory, not this one
         + f"--runtime-env-json {runtime_env} -- python3 "
         + shlex.quote(f"{cluster.slime_dir.rstrip('/')}/train.py")
@@ -918,6 +924,10 @@ def render_dry_run(steps: list[Step], log_dir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+SBATCH_SUBMISSION_ID = "opd-$SLURM_JOB_ID"
+"""The Ray job's id in a batch script's allocation (one Ray cluster per allocation)."""
+
+
 def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ()) -> str:
     """A Slurm batch script for the whole job.
 
@@ -947,7 +957,10 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
         [f"$ADDR_{gpu_nodes + i}" for i in range(cpu_nodes)],
     )
     run = str(job.logging.run_dir)
-    steps = build_plan(job, hosts, run, wait_for_job=True, allow_changed=allow_changed)
+    steps = build_plan(
+        job, hosts, run, wait_for_job=True, allow_changed=allow_changed,
+        submission_id=SBATCH_SUBMISSION_ID,
+    )  # fmt: skip
     gpus = layout.gpus_per_node
     options = [f"#SBATCH {option}" for option in cluster.sbatch_options]
     lines = [
@@ -1008,6 +1021,10 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
     ]
     srun += [shlex.quote(option) for option in cluster.srun_options]
     shell = " ".join(shlex.quote(part) for part in cluster.remote_shell)
+    head_node, head_group = group_of[hosts.head]
+    stop_job = (
+        f"ray job stop --address http://127.0.0.1:{cluster.dashboard_port} {SBATCH_SUBMISSION_ID}"
+    )
     lines += [
         "DAEMONS=() JOB_STARTED=0",
         "# the daemons watched while a step runs: pid, name, restarts left and done, needed",
@@ -1015,6 +1032,12 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
         "teardown() {",
         "  local status=$?",
         "  trap - EXIT INT TERM",
+        '  if [ "$JOB_STARTED" = 1 ]; then  # its driver would outlive Ray under linuxproc',
+        f'    echo "teardown: stopping the Ray job {SBATCH_SUBMISSION_ID}"',
+        f'    local group={head_group} gpus="" host="{head_node}"  # as step() has them',
+        f"    timeout 60 {' '.join(srun)} {shell} {shlex.quote(stop_job)}"
+        ' > "$LOGS/ray-job-stop.log" 2>&1 || true',
+        "  fi",
         '  echo "teardown: stopping ${#DAEMONS[@]} daemon step(s)"',
         '  for pid in "${DAEMONS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
         '  for pid in "${DAEMONS[@]}"; do wait "$pid" 2>/dev/null || true; done',

@@ -315,6 +315,9 @@ def test_killing_the_teacher_mid_run_stops_the_job_and_leaves_nothing(
         assert re.search(f"{re.escape(ended)}[^\n]*\\); {re.escape(again)}", log), log[-3000:]
         assert (logs / "ray-worker-1.log.1").read_text().startswith("join refused once\n")
         assert "daemon teacher-service ended while the job ran" in log, log[-3000:]
+        # the Ray job stopped by its id before Ray: its driver (holding, not in Ray) would
+        # outlive the head where the job supervisor dies before Slurm's sweep (linuxproc)
+        assert f"teardown: stopping the Ray job opd-{job_id}" in log, log[-3000:]
         assert not (tmp_path / "run/standin-train.json").exists()
         assert cluster.wait_queue_empty(timeout_s=30) == []
         assert cluster.processes_left(LEFTOVERS) == []
