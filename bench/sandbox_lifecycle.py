@@ -33,8 +33,6 @@ from sandbox import leases, leftovers
 from sandbox.python_worker import PythonWorker, PythonWorkerConfig
 from slime_ext.models.refs import bundled_models
 
-KILL = ("/bin/sh", "-c", "kill -KILL -1")
-
 
 @contextlib.contextmanager
 def mode(name: str, kills: list[int]) -> Iterator[None]:
@@ -46,7 +44,7 @@ def mode(name: str, kills: list[int]) -> Iterator[None]:
     )
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
-        if args[:3] == KILL:
+        if args == leases.KILL_ALL_ARGV:
             kills.append(1)
         return await spawn(*args, **kwargs)
 

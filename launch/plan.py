@@ -1021,6 +1021,7 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
     ]
     srun += [shlex.quote(option) for option in cluster.srun_options]
     shell = " ".join(shlex.quote(part) for part in cluster.remote_shell)
+    on_host = f"{' '.join(srun)} {shell}"  # one task on $host (group, gpus): step()'s launch
     head_node, head_group = group_of[hosts.head]
     stop_job = (
         f"ray job stop --address http://127.0.0.1:{cluster.dashboard_port} {SBATCH_SUBMISSION_ID}"
@@ -1035,8 +1036,7 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
         '  if [ "$JOB_STARTED" = 1 ]; then  # its driver would outlive Ray under linuxproc',
         f'    echo "teardown: stopping the Ray job {SBATCH_SUBMISSION_ID}"',
         f'    local group={head_group} gpus="" host="{head_node}"  # as step() has them',
-        f"    timeout 60 {' '.join(srun)} {shell} {shlex.quote(stop_job)}"
-        ' > "$LOGS/ray-job-stop.log" 2>&1 || true',
+        f'    timeout 60 {on_host} {shlex.quote(stop_job)} > "$LOGS/ray-job-stop.log" 2>&1 || true',
         "  fi",
         '  echo "teardown: stopping ${#DAEMONS[@]} daemon step(s)"',
         '  for pid in "${DAEMONS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done',
@@ -1047,7 +1047,7 @@ def render_sbatch(job: JobConfig, path: Path, allow_changed: Sequence[str] = ())
         "# step GROUP GPUS HOST COMMAND: one task on HOST, sharing the node with its other steps",
         "step() {",
         "  local group=$1 gpus=$2 host=$3; shift 3",
-        f'  {" ".join(srun)} {shell} "$*"',
+        f'  {on_host} "$*"',
         "}",
         "# watch_daemon NAME RESTARTS NEEDED GROUP GPUS HOST COMMAND: start it, watched by steps",
         "watch_daemon() {",

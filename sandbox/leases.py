@@ -220,9 +220,13 @@ def _identity(fd: int) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
+KILL_ALL_ARGV = ("/bin/sh", "-c", "kill -KILL -1")
+"""Run as a uid: SIGKILL to every process of that uid (kill(-1) as the uid)."""
+
+
 def _kill_uid_processes_now(uid: int) -> None:
     subprocess.run(
-        ["/bin/sh", "-c", "kill -KILL -1"],
+        KILL_ALL_ARGV,
         user=uid,
         group=uid,
         extra_groups=[],
@@ -258,9 +262,7 @@ async def kill_uid_processes(uid: int, wait_s: float = 5.0, dying: bool = False)
     while uid_processes(uid, include_zombies=False):
         try:
             proc = await asyncio.create_subprocess_exec(
-                "/bin/sh",
-                "-c",
-                "kill -KILL -1",
+                *KILL_ALL_ARGV,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,

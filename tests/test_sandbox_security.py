@@ -743,7 +743,7 @@ def test_closing_kills_every_process_of_the_uid_forking_a_kill_only_where_needed
     real_spawn = asyncio.create_subprocess_exec
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
-        if args[:3] == ("/bin/sh", "-c", "kill -KILL -1"):
+        if args == leases.KILL_ALL_ARGV:
             spawned.append(args)
         return await real_spawn(*args, **kwargs)
 
