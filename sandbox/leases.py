@@ -61,16 +61,52 @@ def prepare_root(root_dir: Path) -> None:
     (root_dir / "locks").mkdir(mode=0o700, exist_ok=True)
 
 
+ZOMBIE_WAIT_S = 10.0
+"""How long acquire() waits for the host's init to reap what a uid's last holder left
+exited (its orphans become zombies of pid 1, which still count against RLIMIT_NPROC) when
+no uid is free otherwise. An init that reaps only every few seconds (this machine's:
+about 2 s) would otherwise make a small uid range fail for no reason."""
+
+
 def acquire(
     root_dir: Path, uid_base: int, uid_count: int, host_scratch: bool = True
 ) -> SandboxLease:
     """Lease a free uid from [uid_base, uid_base + uid_count) and a fresh working
     directory for it; runs as the host's user (uid None) when the host is not root.
     `host_scratch`: whether the holder's processes can write to the host's scratch
-    directories and IPC (basic isolation); False sweeps only the uid's keys."""
+    directories and IPC (basic isolation); False sweeps only the uid's keys. A uid
+    whose only processes are exited ones not yet reaped is waited for (at most
+    ZOMBIE_WAIT_S) when no other is free."""
     prepare_root(root_dir)
     if os.geteuid() != 0:
         return SandboxLease(uid=None, workdir=Path(tempfile.mkdtemp(prefix="work-", dir=root_dir)))
+    deadline = time.monotonic() + ZOMBIE_WAIT_S
+    while True:
+        lease, unreaped = _try_acquire(root_dir, uid_base, uid_count, host_scratch)
+        if lease is not None:
+            return lease
+        if not unreaped or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    reason = (
+        f"; {len(unreaped)} of them (e.g. {unreaped[0]}) only by exited processes that "
+        f"the host's init did not reap in {ZOMBIE_WAIT_S:.0f} s (run the job under an "
+        "init that reaps orphans, e.g. `docker run --init`)"
+        if unreaped
+        else ""
+    )
+    raise SandboxResourceError(
+        f"all {uid_count} sandbox uids from {uid_base} are in use{reason}; close "
+        "sandboxes or raise uid_count"
+    )
+
+
+def _try_acquire(
+    root_dir: Path, uid_base: int, uid_count: int, host_scratch: bool
+) -> tuple[SandboxLease | None, list[int]]:
+    """One pass over the range from a random start: a lease, or none and the uids that
+    were free but for processes that have exited or were just killed."""
+    unreaped = []
     start = secrets.randbelow(uid_count)
     for step in range(uid_count):
         uid = uid_base + (start + step) % uid_count
@@ -82,9 +118,12 @@ def acquire(
             continue
         if uid_processes(uid):
             # A dead holder's leftovers (killed now), or zombies the host's init has not
-            # reaped yet; zombies still count against RLIMIT_NPROC, so take another uid.
-            _kill_uid_processes_now(uid)
+            # reaped yet; zombies still count against RLIMIT_NPROC, so take another uid
+            # (or wait for this one when none is free).
+            if uid_processes(uid, include_zombies=False):
+                _kill_uid_processes_now(uid)
             os.close(lock_fd)
+            unreaped.append(uid)
             continue
         workdir = root_dir / f"work-{uid}"
         try:
@@ -100,11 +139,8 @@ def acquire(
         except OSError as exc:
             os.close(lock_fd)
             raise SandboxStartError(f"cannot prepare working directory {workdir}: {exc}") from exc
-        return SandboxLease(uid, workdir, lock_fd, host_scratch)
-    raise SandboxResourceError(
-        f"all {uid_count} sandbox uids from {uid_base} are in use; close sandboxes or "
-        "raise uid_count"
-    )
+        return SandboxLease(uid, workdir, lock_fd, host_scratch), unreaped
+    return None, unreaped
 
 
 def release(lease: SandboxLease) -> None:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import pytest
 
 from sandbox import ExecResult, LocalSandbox, LocalSandboxConfig, PythonWorker, PythonWorkerConfig
-from sandbox.base import SandboxFileError
+from sandbox.base import SandboxFileError, SandboxResourceError
 from sandbox.leases import remove_tree, uid_processes
 from tests.sandbox_modes import STRICT, run
 
@@ -525,6 +525,54 @@ def test_close_removes_a_tree_5000_levels_deep_and_frees_the_uid(
     assert reused == "reused\n"
     assert not workdir.exists()
     assert Path("/etc/passwd").is_file()  # the planted link was unlinked, not followed
+
+
+@pytest.mark.timeout(60)
+def test_a_uid_held_only_by_unreaped_exited_processes_is_waited_for_not_refused(
+    root_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a basic sandbox's orphans leave when they exit are zombies of the host's init,
+    which may reap them seconds later (this machine's every ~2 s; `sleep infinity` as a
+    container's pid 1 never): with no other uid free, the start waits for the reaping
+    instead of failing, and says why when it never comes (the control: no wait)."""
+    from sandbox import leases
+
+    uid = UID_BASE + UID_COUNT - 6
+    cfg = config(root_dir, "basic").model_copy(update={"uid_base": uid, "uid_count": 1})
+    pid = os.fork()
+    if pid == 0:  # a process of the uid that exits and is not reaped until we say so
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+            uid_processes(uid) == [pid] and not uid_processes(uid, include_zombies=False)
+        ):
+            time.sleep(0.01)
+        assert uid_processes(uid) == [pid]  # the zombie
+        assert uid_processes(uid, include_zombies=False) == []
+
+        monkeypatch.setattr(leases, "ZOMBIE_WAIT_S", 0.0)
+        with pytest.raises(SandboxResourceError, match=r"did not reap in 0 s.*--init"):
+            run(LocalSandbox(cfg).start())
+        monkeypatch.undo()
+
+        reaper = threading.Timer(0.5, os.waitpid, (pid, 0))
+        reaper.start()
+        began = time.monotonic()
+
+        async def scenario() -> str:
+            async with LocalSandbox(cfg) as sandbox:
+                return (await sandbox.exec("echo started", 5)).stdout
+
+        assert run(scenario()) == "started\n"
+        assert time.monotonic() - began >= 0.45
+        reaper.join()
+    finally:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _as_uid(uid: int, action: Callable[[], None]) -> int:
