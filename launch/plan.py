@@ -463,9 +463,13 @@ def build_plan(
     ]
     for host in [hosts.head, *hosts.workers]:  # nothing is copied: the nodes share them
         steps.append(Step("check shared paths", host, check_command(job, host, written)))
-    steps += _teacher_steps(job, hosts, run)
+    # the teacher loads (minutes for a large model) while the checkpoint converts and
+    # Ray's cluster forms: only the submit needs it answering
+    starting, ready = _teacher_steps(job, hosts, run)
+    steps += starting
     steps.append(_convert_step(job, hosts))  # before Ray holds the head's GPUs
     steps += _ray_steps(job, hosts)
+    steps += ready
     steps.append(_prune_step(job, hosts.head, run))
     submit = _submit_command(job, hooks_yaml, run, wait_for_job, submission_id)
     note = "; ".join(
@@ -506,15 +510,20 @@ def wandb_run_id(job: JobConfig) -> str:
     return f"{slug(logging.run_dir.name)[:40]}-{digest[:8]}"
 
 
-def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
+def _teacher_steps(
+    job: JobConfig, hosts: Hosts, run: str
+) -> tuple[list[Step], list[Step]]:
     """The teacher service on its node: OPD's teacher model, or for OPSD and OPRD (kind
     self) the student's own initial checkpoint (the frozen snapshot), scored the same way
-    (the hint or the reminders are in the contexts the hooks send)."""
+    (the hint or the reminders are in the contexts the hooks send). Two lists: what starts
+    loading the model (run first), and the rest, up to the service answering (run once
+    Ray's cluster formed); a teacher served by someone else is all checked first."""
     teacher = job.teacher
     if job.algorithm.recipe not in RECIPES_WITH_TEACHER:
-        return []
+        return [], []
     assert teacher.url is not None
-    steps = []
+    starting: list[Step] = []
+    steps: list[Step] = []
     if hosts.teacher is not None:
         assert teacher.model is not None
         # without a key, only the address the job's nodes use (not every interface);
@@ -525,7 +534,7 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
             "--host", bind, "--port", str(teacher.port),
         ]  # fmt: skip
         if teacher.backend == "sglang":
-            steps.append(
+            starting.append(
                 Step(
                     "teacher sglang",
                     hosts.teacher,
@@ -561,7 +570,9 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
             note=note,
             gpus=teacher.backend == "hf",  # with sglang, SGLang holds them
         )
-        steps.append(serving)
+        (steps if teacher.backend == "sglang" else starting).append(serving)
+    if hosts.teacher is None:  # served by someone else: nothing loads, check it first
+        steps = starting
     url = f"http://{hosts.teacher}:{teacher.port}" if hosts.teacher else teacher.url
     steps.append(Step("wait teacher", "local", f"{url.rstrip('/')}/health", "wait_http"))
     steps.append(
@@ -569,7 +580,7 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> list[Step]:
     )
     if hosts.teacher is not None and _syncs_snapshot(job):
         steps.append(_sync_step(job, hosts.teacher, run))
-    return steps
+    return starting, steps if steps is not starting else []
 
 
 def _sync_step(job: JobConfig, host: str, run: str) -> Step:

@@ -100,7 +100,10 @@ def test_reference_plan_has_the_reference_layout() -> None:
     job = load_config(EXAMPLE)
     steps = build_plan(job, hosts_from_config(job))
     names = [s.name for s in steps]
-    assert names.index("wait teacher") < names.index("ray head") < names.index("submit")
+    # the teacher loads while the checkpoint converts and Ray's cluster forms
+    order = ["teacher sglang", "convert checkpoint", "ray head", "wait ray cluster"]
+    order += ["wait teacher sglang", "teacher service", "wait teacher", "submit"]
+    assert sorted(order, key=names.index) == order
     submit = steps[-1].command
     for flag in (
         "--tensor-model-parallel-size 2",
@@ -120,13 +123,14 @@ def test_reference_plan_has_the_reference_layout() -> None:
 
 def test_opsd_plan_serves_the_students_snapshot_as_the_teacher() -> None:
     """OPSD on a cluster: the teacher node runs opd-teacher (SGLang) from the student's own
-    HF checkpoint with the API key, before Ray starts; the hooks get its URL; the MoE
+    HF checkpoint with the API key, loading while Ray starts; the hooks get its URL; the MoE
     student's expert layout reaches Megatron."""
     job = load_config(OPSD_EXAMPLE)
     assert job.teacher.kind == "self" and job.teacher.model == job.model.student
     steps = build_plan(job, hosts_from_config(job))
     names = [s.name for s in steps]
-    assert names.index("teacher service") < names.index("wait teacher") < names.index("ray head")
+    assert names.index("teacher sglang") < names.index("ray head") < names.index("teacher service")
+    assert names.index("teacher service") < names.index("wait teacher") < names.index("submit")
     by_name = {s.name: s for s in steps}
     sglang = by_name["teacher sglang"]
     assert sglang.host == "teacher-node" and sglang.kind == "background"
@@ -221,7 +225,7 @@ def test_opsd_refresh_plan_syncs_the_teacher_from_slimes_checkpoints() -> None:
     steps = build_plan(job, hosts_from_config(job))
     names = [s.name for s in steps]
     assert names.index("check teacher tokenizer") < names.index("teacher snapshot sync")
-    assert names.index("teacher snapshot sync") < names.index("ray head")
+    assert names.index("teacher snapshot sync") < names.index("submit")
     sync = steps[names.index("teacher snapshot sync")]
     assert sync.host == "teacher-node" and sync.kind == "background"
     assert sync.command.startswith(
@@ -301,7 +305,7 @@ def test_oprd_plan_serves_and_refreshes_the_snapshot_and_routes_branches_in_adva
     names = [s.name for s in steps]
     assert names.index("teacher service") < names.index("wait teacher")
     assert names.index("wait teacher") < names.index("teacher snapshot sync")
-    assert names.index("teacher snapshot sync") < names.index("ray head")
+    assert names.index("teacher snapshot sync") < names.index("submit")
     by_name = {s.name: s for s in steps}
     sync = by_name["teacher snapshot sync"]
     assert "--mode refresh" in sync.command and "steps 40, 80, 120, 160" in sync.note
