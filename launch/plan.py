@@ -510,9 +510,7 @@ def wandb_run_id(job: JobConfig) -> str:
     return f"{slug(logging.run_dir.name)[:40]}-{digest[:8]}"
 
 
-def _teacher_steps(
-    job: JobConfig, hosts: Hosts, run: str
-) -> tuple[list[Step], list[Step]]:
+def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> tuple[list[Step], list[Step]]:
     """The teacher service on its node: OPD's teacher model, or for OPSD and OPRD (kind
     self) the student's own initial checkpoint (the frozen snapshot), scored the same way
     (the hint or the reminders are in the contexts the hooks send). Two lists: what starts
