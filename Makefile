@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# test processes (pytest-xdist: whole files each, so a file's fixtures and uid ranges stay
+# in one process); 1 runs the suite in this one
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint clean sandbox-tools slime
 
@@ -42,7 +45,7 @@ slime: $(STAMP)
 	bash tests/install_megatron_lm.sh "$(MEGATRON_LM_SOURCE)" "$(VENV)"
 
 test: $(STAMP) sandbox-tools slime
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

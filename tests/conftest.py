@@ -14,6 +14,27 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
+LONGEST_FIRST = (
+    "test_launch_slurm.py",
+    "test_slime_train.py",
+    "test_slime_loop.py",
+    "test_launch_ssh.py",
+    "test_rehearsal.py",
+    "test_launch.py",
+    "test_determinism.py",
+    "test_megatron_step.py",
+    "test_local_training.py",
+    "test_fleet.py",
+)
+"""The files that take longest here (minutes each: whole jobs on Slurm, Ray and ssh),
+collected first: `make test` hands whole files to its workers (pytest-xdist, --dist
+loadfile) in collection order, so none of them is left to run alone at the end."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order
+
 
 @pytest.fixture(scope="session")
 def factory_tokenizer():  # type: ignore[no-untyped-def]

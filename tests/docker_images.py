@@ -11,6 +11,8 @@ conda-like environment on the same base. All are kept for later sessions.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -18,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -117,14 +119,32 @@ def _built_on_base(tag: str, build: Callable[[docker.DockerClient, str], None]) 
     try:
         if _has_image(client, tag):
             return tag
-        started = time.monotonic()
-        if not _has_image(client, BASE_IMAGE):
-            _build_base(client)
-        build(client, tag)
-        print(f"built {tag} in {time.monotonic() - started:.1f} s")
-        return tag
+        with _building():  # another test process may be building it now: wait for it
+            return _build_on_base(client, tag, build)
     finally:
         client.close()
+
+
+@contextlib.contextmanager
+def _building() -> Iterator[None]:
+    """Held while this process builds a test image: one build per host at a time, across
+    test processes (pytest-xdist workers, two sessions)."""
+    with open(Path(tempfile.gettempdir()) / "opd-test-docker-images.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build_on_base(
+    client: docker.DockerClient, tag: str, build: Callable[[docker.DockerClient, str], None]
+) -> str:
+    if _has_image(client, tag):
+        return tag
+    started = time.monotonic()
+    if not _has_image(client, BASE_IMAGE):
+        _build_base(client)
+    build(client, tag)
+    print(f"built {tag} in {time.monotonic() - started:.1f} s")
+    return tag
 
 
 def swe_base_test_image() -> str:

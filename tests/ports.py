@@ -10,6 +10,7 @@ again later was taken by one of those under load: EADDRINUSE).
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -20,6 +21,17 @@ FREE_PORTS = (30_000, 32_768)
 RAY_BLOCKS = range(20_000, 30_000, 1_000)
 """A Ray cluster on this host takes one block of 1000 ports: node i's ports from block +
 100 i, the head's GCS at block + 999 (tests/ray_nodes.py, launch_standins, rehearsal)."""
+
+
+def _share(values: range) -> range:
+    """This test process's share of `values`: pytest-xdist's workers (PYTEST_XDIST_WORKER
+    gwI of PYTEST_XDIST_WORKER_COUNT) draw from disjoint slices, so the clusters and
+    servers of two workers never get the same ports, whatever their timing."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count <= 1:
+        return values
+    return values[int(worker[2:]) % count :: count]
 
 
 def free_port() -> int:
@@ -34,7 +46,7 @@ def free_ports(count: int) -> list[int]:
     """`count` distinct ports as free_port draws them."""
     ports: list[int] = []
     while len(ports) < count:
-        port = _DRAW.randrange(*FREE_PORTS)
+        port = _DRAW.choice(_share(range(*FREE_PORTS)))
         if port in ports:
             continue
         with socket.socket() as sock:
@@ -48,4 +60,4 @@ def free_ports(count: int) -> list[int]:
 
 def ray_port_block() -> int:
     """The first port of a block of RAY_BLOCKS for one Ray cluster on this host."""
-    return _DRAW.choice(RAY_BLOCKS)
+    return _DRAW.choice(_share(RAY_BLOCKS))

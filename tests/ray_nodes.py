@@ -92,18 +92,24 @@ def _start(args: list[str], node: str, temp: Path, env: dict[str, str]) -> RayNo
 
 
 def _alive_nodes(gcs_address: str, env: dict[str, str]) -> int:
+    """How many nodes the GCS counts alive; 0 while it does not answer (a probe that hangs
+    on a GCS still starting under load is given up after 60 s, and the wait goes on to
+    its deadline, where the cluster is formed again)."""
     probe = (
         "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
         "print(sum(1 for n in ray.nodes() if n['Alive']))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe, gcs_address],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe, gcs_address],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return 0
     lines = done.stdout.strip().splitlines()
     return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else 0
 

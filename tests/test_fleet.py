@@ -61,7 +61,7 @@ from sandbox.fleet import (
 from tests.docker_images import BASE_IMAGE, daemon_problem, sandbox_test_image
 
 T = TypeVar("T")
-UID_BASE = 303_000
+UID_BASE = 305_000
 UID_COUNT = 300
 SLACK_S = 2.0
 HELD_BACK = 50
