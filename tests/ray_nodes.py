@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -129,8 +131,9 @@ def ray_cluster(
     entry of `resources` (its custom resources), all alive before it yields; every node's
     processes (its workers too) get `node_env` on top of this environment; a cluster that
     does not form (a port taken meanwhile, a node that died starting) is killed and formed
-    again on other ports, `attempts` times. `root` must be a short path: Ray's socket paths
-    live under it (107 bytes)."""
+    again on other ports, `attempts` times. The nodes' temp dirs are under `root`, or under
+    a short directory of their own (removed at the end) where `root` is too long for Ray's
+    socket paths (107 bytes)."""
     env = (
         ray_env()
         | {
@@ -140,6 +143,9 @@ def ray_cluster(
         }
         | (node_env or {})
     )
+    given = root
+    if len(str(root)) + len(_SOCKET_TAIL) > 107:  # e.g. under pytest-xdist's popen-gwN/
+        root = Path(tempfile.mkdtemp(prefix="opd-ray-"))
     try:
         for attempt in range(attempts):
             cluster = RayCluster("")
@@ -156,6 +162,13 @@ def ray_cluster(
         yield cluster
     finally:
         _kill_all(cluster, root)
+        if root != given:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+_SOCKET_TAIL = "/a0/n0/session_2026-12-07_02-18-06_301446_4194304/sockets/plasma_store"
+"""The longest path Ray puts under a node's temp dir in `root`: a Unix socket's, which
+holds at most 107 bytes."""
 
 
 def _kill_all(cluster: RayCluster, root: Path) -> None:
