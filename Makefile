@@ -45,7 +45,7 @@ slime: $(STAMP)
 	bash tests/install_megatron_lm.sh "$(MEGATRON_LM_SOURCE)" "$(VENV)"
 
 test: $(STAMP) sandbox-tools slime
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

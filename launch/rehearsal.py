@@ -247,12 +247,19 @@ def _claim(directory: Path) -> None:
         shutil.rmtree(directory / products, ignore_errors=True)
 
 
+RAY_PORTS_ENV = "OPD_REHEARSAL_RAY_PORTS"
+"""The first of the 1000 ports the rehearsal's Ray nodes take (node i: from it + 100 i);
+by default a block of 21000-29999 drawn at random."""
+
+
 def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:
     """The plan's steps with each Ray node on its own temp dir and port block (several Ray
     nodes on one host, REFERENCE.md) and the head's fake-GPU node given its CPUs."""
     temp = Path(f"/tmp/opd-rh-{os.getpid()}")  # short: Ray's socket paths hold 107 bytes
-    # below Linux's ephemeral range (32768-): no outgoing connection takes a node's port
-    base = random.Random().randrange(20000, 30000, 1000)
+    # below Linux's ephemeral range (32768-): no outgoing connection takes a node's port;
+    # OPD_REHEARSAL_RAY_PORTS names the block where several rehearsals share a host; not
+    # 20000-20999, where slime's training actors draw their MASTER_PORT
+    base = int(os.environ.get(RAY_PORTS_ENV) or random.Random().randrange(21000, 30000, 1000))
     placed = []
     for step in steps:
         if step.command.startswith("ray start"):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests import host_load
 
 settings.register_profile(
     "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -28,7 +31,19 @@ LONGEST_FIRST = (
 )
 """The files that take longest here (minutes each: whole jobs on Slurm, Ray and ssh),
 collected first: `make test` hands whole files to its workers (pytest-xdist, --dist
-loadfile) in collection order, so none of them is left to run alone at the end."""
+loadfile) in collection order (--no-loadscope-reorder: xdist would otherwise start with
+the files of most tests), so none of them is left to run alone at the end."""
+
+
+@pytest.fixture(autouse=True)
+def _apart_from_host_load(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that bounds wall time never runs while another test process loads every
+    core (tests/host_load.py)."""
+    if request.node.path.name not in host_load.WALL_CLOCK_BOUNDED:
+        yield
+        return
+    with host_load.held(exclusive=False):
+        yield
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

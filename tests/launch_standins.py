@@ -155,7 +155,7 @@ def ray_node_args(temp: Path, node: str, index: str, cpus: int = 2) -> list[str]
     The temp dir is short: Ray's sockets live under it (Unix socket paths hold 107
     bytes)."""
     base = ray_port_block()
-    port = f"$(({base} + {index} * 100"
+    port = f"$(({base} + ({index}) % 10 * 100"  # an address's last octet (11+) stays in its block
     return [
         f"--temp-dir={temp}/{node}",
         f"--num-cpus={cpus}",

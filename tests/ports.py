@@ -18,9 +18,10 @@ _DRAW = random.SystemRandom()  # tests seed `random`; two draws must not repeat 
 FREE_PORTS = (30_000, 32_768)
 """Where free_port draws: below Linux's ephemeral range (32768-60999), so no bind to port
 0 and no outgoing connection is given such a port, and above RAY_BLOCKS."""
-RAY_BLOCKS = range(20_000, 30_000, 1_000)
+RAY_BLOCKS = range(21_000, 30_000, 1_000)
 """A Ray cluster on this host takes one block of 1000 ports: node i's ports from block +
-100 i, the head's GCS at block + 999 (tests/ray_nodes.py, launch_standins, rehearsal)."""
+100 i, the head's GCS at block + 999 (tests/ray_nodes.py, launch_standins, rehearsal).
+Not 20000-20999: slime's training actors draw their MASTER_PORT there."""
 
 
 def _share(values: range) -> range:

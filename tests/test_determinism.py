@@ -42,6 +42,7 @@ from slime_ext.models.refs import bundled_models
 from teacher_server.app import create_app
 from teacher_server.hf_backend import HFBackend
 from teacher_server.metrics import ServerMetrics
+from tests import host_load
 from tests.live_server import serve_in_thread
 from tests.scripted_policy import ScriptedPolicy, say, tool
 
@@ -322,17 +323,19 @@ def test_sglang_gets_a_seed_per_keyed_sampled_request() -> None:
 
 @contextlib.contextmanager
 def cpu_hog() -> Iterator[None]:
-    """A busy-looping process per core while the block runs."""
-    hogs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(os.cpu_count() or 1)
-    ]
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+    """A busy-looping process per core while the block runs (no test that bounds wall
+    time runs meanwhile in another test process: tests/host_load.py)."""
+    with host_load.held(exclusive=True):
+        hogs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)
+        ]
+        try:
+            yield
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
 
 
 TIMING = ("time", "per_sec")

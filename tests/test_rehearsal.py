@@ -25,7 +25,14 @@ from pathlib import Path
 import pytest
 
 from launch.plan import build_plan
-from launch.rehearsal import Rehearsal, RehearsalError, place_here, port_problems, prepare
+from launch.rehearsal import (
+    RAY_PORTS_ENV,
+    Rehearsal,
+    RehearsalError,
+    place_here,
+    port_problems,
+    prepare,
+)
 from launch.rehearsal_report import (
     DOWN,
     SANDBOXES,
@@ -43,6 +50,7 @@ from tests import slime_job
 from tests.launch_real_job import RAY_CPUS
 from tests.launch_standins import LEFTOVERS, ray_node_args
 from tests.live_server import free_port
+from tests.ports import ray_port_block
 from tests.slurm_cluster import _processes
 from tests.ssh_nodes import SshNodes, require_ssh, ssh_nodes
 
@@ -235,6 +243,7 @@ def _params(path: str) -> float:
 
 def _rehearse(directory: Path, marker: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OPD_REHEARSAL_TEST": marker, "WANDB_MODE": "disabled"}
+    env[RAY_PORTS_ENV] = str(ray_port_block())  # apart from other test processes' clusters
     env.pop("OPD_TEACHER_API_KEY", None)
     return subprocess.run(
         [str(Path(sys.executable).parent / "opd"), "launch", str(CONFIG), "--rehearse",
