@@ -10,6 +10,7 @@ again later was taken by one of those under load: EADDRINUSE).
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import socket
@@ -43,12 +44,18 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+_RECENT: collections.deque[int] = collections.deque(maxlen=256)
+"""The ports this process drew last: a draw skips them, as it may not be bound yet (a
+launch test draws its Ray port, then its Slurm cluster's ports: one of those was the Ray
+port, and the Ray head failed to bind it)."""
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports as free_port draws them."""
+    """`count` distinct ports as free_port draws them, none of this process's last 256."""
     ports: list[int] = []
     while len(ports) < count:
         port = _DRAW.choice(_share(range(*FREE_PORTS)))
-        if port in ports:
+        if port in ports or port in _RECENT:
             continue
         with socket.socket() as sock:
             try:
@@ -56,6 +63,7 @@ def free_ports(count: int) -> list[int]:
             except OSError:
                 continue
         ports.append(port)
+    _RECENT.extend(ports)
     return ports
 
 
