@@ -11,8 +11,6 @@ conda-like environment on the same base. All are kept for later sessions.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import os
@@ -20,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +27,8 @@ import pytest
 import requests
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.host_load import host_lock
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "sandbox-tir.Dockerfile"
@@ -119,24 +119,18 @@ def _built_on_base(tag: str, build: Callable[[docker.DockerClient, str], None]) 
     try:
         if _has_image(client, tag):
             return tag
-        with _building():  # another test process may be building it now: wait for it
+        # one build per host at a time, across test processes (pytest-xdist workers, two
+        # sessions): another may be building it now
+        with host_lock("docker-images"):
             return _build_on_base(client, tag, build)
     finally:
         client.close()
 
 
-@contextlib.contextmanager
-def _building() -> Iterator[None]:
-    """Held while this process builds a test image: one build per host at a time, across
-    test processes (pytest-xdist workers, two sessions)."""
-    with open(Path(tempfile.gettempdir()) / "opd-test-docker-images.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _build_on_base(
     client: docker.DockerClient, tag: str, build: Callable[[docker.DockerClient, str], None]
 ) -> str:
+    """`_built_on_base`'s work, under the build lock: `tag` may have been built meanwhile."""
     if _has_image(client, tag):
         return tag
     started = time.monotonic()

@@ -6,7 +6,8 @@ another process that asserts a deadline (a sandbox killed within its window, a s
 answering within seconds, a latency ratio) would then measure that load, not the code. The
 loading test holds a host-wide lock exclusively while it loads the host; each test of
 WALL_CLOCK_BOUNDED holds it shared while it runs (tests/conftest.py), so neither starts
-while the other runs.
+while the other runs. `host_lock` is any such host-wide lock (tests/docker_images.py builds
+its images under one).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import fcntl
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-
-LOCK = Path(tempfile.gettempdir()) / "opd-test-host-load.lock"
 
 WALL_CLOCK_BOUNDED = frozenset(
     {
@@ -34,7 +33,14 @@ WALL_CLOCK_BOUNDED = frozenset(
 
 
 @contextlib.contextmanager
-def held(exclusive: bool) -> Iterator[None]:
-    with open(LOCK, "a+") as lock:
+def host_lock(name: str, exclusive: bool = True) -> Iterator[None]:
+    """`name`'s lock on this host, across test processes, held while the block runs."""
+    with open(Path(tempfile.gettempdir()) / f"opd-test-{name}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
+
+
+def held(exclusive: bool) -> contextlib.AbstractContextManager[None]:
+    """The host-load lock: exclusive while every core is loaded, shared while a test of
+    WALL_CLOCK_BOUNDED runs."""
+    return host_lock("host-load", exclusive)
