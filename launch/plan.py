@@ -521,7 +521,7 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> tuple[list[Step], 
         return [], []
     assert teacher.url is not None
     starting: list[Step] = []
-    steps: list[Step] = []
+    ready: list[Step] = []
     if hosts.teacher is not None:
         assert teacher.model is not None
         # without a key, only the address the job's nodes use (not every interface);
@@ -542,7 +542,7 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> tuple[list[Step], 
                     gpus=True,
                 )
             )
-            steps.append(
+            ready.append(
                 Step("wait teacher sglang", hosts.teacher, _wait("http://127.0.0.1:30000/health"))
             )
             serve += ["--sglang-url", "http://127.0.0.1:30000"]
@@ -568,17 +568,17 @@ def _teacher_steps(job: JobConfig, hosts: Hosts, run: str) -> tuple[list[Step], 
             note=note,
             gpus=teacher.backend == "hf",  # with sglang, SGLang holds them
         )
-        (steps if teacher.backend == "sglang" else starting).append(serving)
-    if hosts.teacher is None:  # served by someone else: nothing loads, check it first
-        steps = starting
+        (ready if teacher.backend == "sglang" else starting).append(serving)
     url = f"http://{hosts.teacher}:{teacher.port}" if hosts.teacher else teacher.url
-    steps.append(Step("wait teacher", "local", f"{url.rstrip('/')}/health", "wait_http"))
-    steps.append(
+    ready.append(Step("wait teacher", "local", f"{url.rstrip('/')}/health", "wait_http"))
+    ready.append(
         Step("check teacher tokenizer", "local", f"{url.rstrip('/')}/v1/info", "check_tokenizer")
     )
-    if hosts.teacher is not None and _syncs_snapshot(job):
-        steps.append(_sync_step(job, hosts.teacher, run))
-    return starting, steps if steps is not starting else []
+    if hosts.teacher is None:  # served by someone else: nothing loads, check it first
+        return ready, []
+    if _syncs_snapshot(job):
+        ready.append(_sync_step(job, hosts.teacher, run))
+    return starting, ready
 
 
 def _sync_step(job: JobConfig, host: str, run: str) -> Step:
