@@ -30,7 +30,9 @@ Parts (each resumable: finished runs are kept in --out as results, a killed Loca
 continues from its newest checkpoint, SSD's sampling from its file; each fits in a
 session of 3 hours on 2 cores: tune about 90 minutes, compare about 95, extend about 40,
 ablate about 90). Two parts may run at once on one --out: a run (and an SSD sample file)
-is trained by one process at a time, the other waits for it and reuses its result.
+is trained by one process at a time, the other waits for it and reuses its result; two
+processes of compare (or of ablate) leave the runs the other has to the end, so they share
+the part's runs (each with OMP_NUM_THREADS=1 on 2 cores).
 The parts:
     tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs),
              scored on the test set at the end only
@@ -591,24 +593,28 @@ _HELD: set[Path] = set()
 
 
 @contextlib.contextmanager
-def exclusive(path: Path, log: Callable[[str], None] = print) -> Iterator[None]:
+def exclusive(path: Path, log: Callable[[str], None] = print, wait: bool = True) -> Iterator[bool]:
     """Hold `path`.lock against other processes (two bench parts on one --out); says so
-    when it has to wait. Reentrant within a process; the lock goes with the process,
-    killed or not."""
+    when it has to wait. With `wait` False, a lock another process holds is not waited
+    for: yields False (and holds nothing). Reentrant within a process; the lock goes with
+    the process, killed or not."""
     lock = path.with_name(path.name + ".lock").resolve()
     if lock in _HELD:
-        yield
+        yield True
         return
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if not wait:
+                yield False
+                return
             log(f"{path.name}: another bench process holds it, waiting")
             fcntl.flock(handle, fcntl.LOCK_EX)
         _HELD.add(lock)
         try:
-            yield
+            yield True
         finally:
             _HELD.discard(lock)
             fcntl.flock(handle, fcntl.LOCK_UN)
@@ -805,12 +811,26 @@ class Bench:
         ]
         return arms
 
+    def run_all(self, arms: Iterable[Arm], curve: bool = True) -> None:
+        """Each arm run (`run`) in order, but one that another bench process is running
+        now is left to the end, then waited for and reused: two processes of one part on
+        one --out share its runs instead of queueing behind each other."""
+        later = []
+        for arm in arms:
+            with exclusive(run_dir_of(self.out, arm), self.log, wait=False) as mine:
+                if mine:
+                    self._run(arm, None, curve)
+                else:
+                    self.log(f"{arm.key}: another bench process is running it, left to the end")
+                    later.append(arm)
+        for arm in later:
+            self.run(arm, curve=curve)
+
     def compare(self) -> None:
         """Equal steps: the tuned settings at every seed, scored along the way."""
         arms = self.compare_arms()
-        for seed in range(self.scale.seeds):  # seed-major: each seed's arms pair up early
-            for group in arms.values():
-                self.run(group[seed])
+        seeds = range(self.scale.seeds)  # seed-major: each seed's arms pair up early
+        self.run_all(group[seed] for seed in seeds for group in arms.values())
 
     def extend(self, recipes: Iterable[str] | None = None) -> None:
         """Equal compute: each non-OPD run (of `recipes`, default all) trained on until its
@@ -895,10 +915,12 @@ class Bench:
         return blocks
 
     def ablate(self) -> None:
-        for seed in range(self.scale.seeds):
-            for block in self.ablation_blocks():
-                for group in block.values():
-                    self.run(group[seed], curve=False)
+        blocks = self.ablation_blocks()
+        seeds = range(self.scale.seeds)
+        self.run_all(
+            (group[seed] for seed in seeds for block in blocks for group in block.values()),
+            curve=False,
+        )
 
 
 def _nanmean(values: Iterable[float]) -> float:
@@ -950,7 +972,8 @@ def main() -> None:
     parser.add_argument(
         "--recipes",
         help="tune (default: opd,rl,sft,ssd) and extend (default: rl,sft,ssd,opd_rl): these "
-        "recipes only; two extend processes with disjoint recipes share the work",
+        "recipes only; two extend processes with disjoint recipes share the work (two compare "
+        "or ablate processes share theirs without it)",
     )
     for name in asdict(Scale()):
         parser.add_argument(

@@ -259,6 +259,34 @@ def test_two_bench_processes_never_train_one_run_at_once(tmp_path: Path) -> None
         holder.wait(timeout=10)
 
 
+def test_a_run_another_process_holds_is_left_to_the_end_not_queued_behind(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two compare (or ablate) processes share a part: this one runs the arms nobody holds
+    first, then waits for the held one and reuses what it finds."""
+    import fcntl
+
+    arms = [Arm("opd", 1e-4, seed=s) for s in range(3)]
+    held = baselines.run_dir_of(bench.out, arms[0])
+    held.parent.mkdir(parents=True, exist_ok=True)
+    other = open(held.with_name(held.name + ".lock"), "a")  # noqa: SIM115 (closed mid-test)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: flock conflicts
+    order: list[int] = []
+
+    def run(arm: Arm, steps: int | None, curve: bool) -> Result:
+        order.append(arm.seed)
+        if arm.seed == 2:
+            other.close()  # the other process ends its run
+        return fake_result(arm, 0.5, 10.0)
+
+    monkeypatch.setattr(bench, "_run", run)
+    said: list[str] = []
+    bench.log = said.append
+    bench.run_all(arms)
+    assert order == [1, 2, 0]
+    assert said == ["opd-lr0.0001-s0: another bench process is running it, left to the end"]
+
+
 def test_ablation_blocks_pair_with_the_reports_spec_at_both_ssd_rates(bench: Bench) -> None:
     for recipe in baselines.RECIPES:
         keep_grid(bench, recipe, 0.2, 1000.0)
