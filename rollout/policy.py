@@ -17,6 +17,7 @@ token now and then; once one token differs, the trajectory and the run diverge.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from collections import Counter
@@ -254,7 +255,6 @@ class HFPolicy:
 
     def _decode(self, requests: list[_Request]) -> list[Generation]:
         import torch
-        from transformers import DynamicCache
 
         started = time.perf_counter()
         rows = len(requests)
@@ -278,7 +278,9 @@ class HFPolicy:
                 ids = request.input_ids[-fed:]
                 input_ids[row, fed - len(ids) :] = torch.tensor(ids)
                 attention[row, width - len(request.input_ids) :] = 1
-            cache = DynamicCache(config=self.model.config)
+            # every column the batch can hold: its widest context and every new token
+            capacity = width + max(request.params.max_new_tokens for request in requests)
+            cache = _decode_cache(self.model.config, capacity)
             if fed < width:
                 _seed_cache(cache, requests, reused, fed, width - fed, device)
             step_ids = input_ids
@@ -320,6 +322,68 @@ class HFPolicy:
             Generation(output_ids=o, logprobs=lp, finish_reason=r, model_s=model_s)
             for o, lp, r in zip(outputs, logprobs, reasons, strict=True)
         ]
+
+
+def _decode_cache(config: Any, capacity: int) -> Any:
+    """A key/value cache for one batch's decoding: transformers' DynamicCache, but each
+    plain full-attention layer writes a step's keys and values into buffers of `capacity`
+    columns, allocated once, instead of concatenating its whole cache every step (a copy
+    of everything so far, per layer and token: a quarter of the bundled student's decode
+    time). What the layer hands attention is the filled columns, a view with the shape,
+    values and inner strides the concatenation gave, so the logits are bit for bit
+    those of DynamicCache (tests/test_policy.py). Other layer kinds are kept as they are."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    layer_class = _preallocated_layer()
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[index] = layer_class(capacity)
+    return cache
+
+
+@functools.cache
+def _preallocated_layer() -> type:
+    """The DynamicLayer that fills preallocated buffers (built on first use: transformers
+    is imported only by the local policy)."""
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+            self.filled = 0
+            self._keys: Any = None
+            self._values: Any = None
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.filled + key_states.shape[-2]
+            if self.filled == 0 or end > self._keys.shape[-2]:  # first, or past capacity
+                self._grow(key_states, value_states, max(end, self.capacity))
+            self._keys[..., self.filled : end, :] = key_states
+            self._values[..., self.filled : end, :] = value_states
+            self.filled = end
+            self.keys = self._keys[..., :end, :]
+            self.values = self._values[..., :end, :]
+            return self.keys, self.values
+
+        def _grow(self, key_states: Any, value_states: Any, columns: int) -> None:
+            def buffer(held: Any, like: Any) -> Any:
+                shape = (*like.shape[:-2], columns, like.shape[-1])
+                grown = torch.empty(shape, dtype=like.dtype, device=like.device)
+                grown[..., : self.filled, :] = held[..., : self.filled, :]
+                return grown
+
+            held_keys = self._keys if self.filled else key_states
+            held_values = self._values if self.filled else value_states
+            self._keys = buffer(held_keys, key_states)
+            self._values = buffer(held_values, value_states)
+
+    return PreallocatedLayer
 
 
 def _seed_cache(

@@ -10,7 +10,8 @@ import httpx
 import pytest
 import torch
 
-from rollout.policy import HFPolicy, SamplingParams, SGLangPolicy
+import rollout.policy
+from rollout.policy import GenerationRequest, HFPolicy, SamplingParams, SGLangPolicy
 from slime_ext.cpu_runtime.sglang_http import create_standin
 from slime_ext.models.factory import build_model
 from teacher_server.api import MAX_ROUTING_KEY_LEN, ROUTING_HEADER, routing_key
@@ -100,6 +101,54 @@ def test_concurrent_requests_are_batched_and_equal_sequential_ones(model: Any) -
         assert torch.allclose(
             torch.tensor(batched.logprobs), torch.tensor(single.logprobs), atol=1e-4
         )
+
+
+def _two_turns(policy: HFPolicy) -> list[Any]:
+    """Two rounds of a batch: contexts of different lengths (left padding), greedy and
+    keyed sampled rows, the second round reusing each session's prefix, one row of it
+    without a session."""
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0)
+    greedy = SamplingParams(max_new_tokens=9, temperature=0)
+    contexts = [PROMPT * (1 + i) for i in range(3)]
+    params = [
+        sampled.model_copy(update={"sampling_key": "a"}),
+        greedy,
+        sampled.model_copy(update={"sampling_key": "c"}),
+    ]
+    sessions = ["a", "b", "c"]
+    first = asyncio.run(
+        policy.generate_batch(
+            [GenerationRequest(c, p, s) for c, p, s in zip(contexts, params, sessions, strict=True)]
+        )
+    )
+    later = [c + g.output_ids + [11, 12, 13] for c, g in zip(contexts, first, strict=True)]
+    requests = [GenerationRequest(c, p, s) for c, p, s in zip(later, params, sessions, strict=True)]
+    second = asyncio.run(policy.generate_batch([*requests, GenerationRequest(PROMPT, greedy)]))
+    return [(g.output_ids, g.logprobs, g.finish_reason) for g in [*first, *second]]
+
+
+@pytest.mark.parametrize("capacity_short_by", [0, 40])
+def test_decoding_into_preallocated_buffers_gives_dynamic_caches_bits(
+    model: Any, monkeypatch: pytest.MonkeyPatch, capacity_short_by: int
+) -> None:
+    """The decode cache writes each step into buffers allocated once instead of
+    concatenating (rollout/policy._decode_cache): every token and log-prob is the one
+    transformers' DynamicCache gives, bit for bit, also where the buffers have to grow."""
+    from transformers import DynamicCache
+
+    decode_cache = rollout.policy._decode_cache
+    sizes: list[int] = []
+
+    def short(config: Any, capacity: int) -> Any:
+        cache = decode_cache(config, capacity - capacity_short_by)
+        sizes.append(capacity)
+        return cache
+
+    monkeypatch.setattr(rollout.policy, "_decode_cache", short)
+    preallocated = _two_turns(HFPolicy(model, eos_token_id=-1))
+    assert sizes  # the policy decoded through it
+    monkeypatch.setattr(rollout.policy, "_decode_cache", lambda c, _: DynamicCache(config=c))
+    assert preallocated == _two_turns(HFPolicy(model, eos_token_id=-1))
 
 
 @pytest.fixture(scope="module")
