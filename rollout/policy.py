@@ -127,6 +127,13 @@ class HFPolicy:
     by the schedule, so the speed of batches comes without the dependence on timing
     (bench/policy_batching.py: all three).
 
+    A batch decodes into key/value buffers allocated once (`_decode_cache`), and a row
+    that finished leaves the batch's forwards (`drop_finished`; its prefix kept first):
+    which rows a forward holds then follows from the rows' own tokens, so it is as
+    reproducible as the batch. Dropping rows changes the shapes that compute the others,
+    so their log-probs in their last bits against feeding finished rows padding to the
+    end (`opd demo`'s summary.json came out the same: bench/demo_stages.py).
+
     A sampled request draws from a generator of its own: seeded by (seed, its
     sampling_key), or, without a key, by the next draw from `generator`, the policy's
     shared stream (call order; its state is what a checkpoint saves). Greedy requests
@@ -142,6 +149,7 @@ class HFPolicy:
         batch_invariant: bool = True,
         decode_threads: int = 2,
         prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
+        drop_finished: bool = True,
     ) -> None:
         import torch
 
@@ -157,6 +165,9 @@ class HFPolicy:
         self.decode_threads = decode_threads if batch_invariant else 1
         self._pending: list[_Request] = []
         self._workers: list[asyncio.Task[None]] = []
+        self.drop_finished = drop_finished
+        """A row that finished leaves the batch's forwards (False: it is fed padding to
+        the end, as until 2026-12-07)."""
         self.prefixes = PrefixStore(prefix_cache_bytes)
         """Each trajectory's keys and values, for its next turn (rollout/prefixes.py)."""
         self._reuse = full_attention_only(model)
@@ -202,14 +213,17 @@ class HFPolicy:
         return self.prefixes.reusable(request.session_id, request.input_ids)
 
     def _keep_prefixes(
-        self, requests: list[_Request], outputs: list[list[int]], cache: Any, width: int
+        self, rows: list[tuple[_Request, list[int], int]], cache: Any, width: int
     ) -> None:
-        """Each session's keys and values of what this forward saw: its context and every
-        generated token fed back (all but the last), cut out of the batch's rows."""
-        for row, request in enumerate(requests):
+        """Each session's keys and values of what the batch's forwards saw: its context
+        and every generated token fed back (all but the last), cut out of its row of
+        `cache` (rows: request, its output, its row in the cache)."""
+        if self.prefixes.max_bytes == 0 or not self._reuse:
+            return
+        for request, output, row in rows:
             if request.session_id is None:
                 continue
-            ids = (*request.input_ids, *outputs[row][:-1])
+            ids = (*request.input_ids, *output[:-1])
             start = width - len(request.input_ids)
             layers = tuple(
                 (
@@ -284,6 +298,8 @@ class HFPolicy:
             if fed < width:
                 _seed_cache(cache, requests, reused, fed, width - fed, device)
             step_ids = input_ids
+            live = list(range(rows))  # the requests the forward's rows are, in order
+            compact = self.drop_finished and _compactable(cache)
             for step in range(max(request.params.max_new_tokens for request in requests)):
                 positions = attention.cumsum(-1)[:, -step_ids.shape[1] :] - 1
                 logits = (
@@ -298,30 +314,51 @@ class HFPolicy:
                     .logits[:, -1]
                     .float()
                 )
-                next_ids = torch.zeros((rows, 1), dtype=torch.long)
-                for row, request in enumerate(requests):
+                next_ids = torch.zeros((len(live), 1), dtype=torch.long)
+                for i, row in enumerate(live):
                     if not active[row]:
                         continue
-                    params = request.params
-                    token, logprob = _sample(logits[row].cpu(), params, request.generator)
+                    params = requests[row].params
+                    token, logprob = _sample(logits[i].cpu(), params, requests[row].generator)
                     outputs[row].append(token)
                     logprobs[row].append(logprob)
-                    next_ids[row, 0] = token
+                    next_ids[i, 0] = token
                     if token in {self.eos_token_id, *params.stop_token_ids}:
                         active[row], reasons[row] = False, "stop"
                     elif step + 1 >= params.max_new_tokens:
                         active[row] = False
                 if not any(active):
                     break
+                if compact and not all(active[row] for row in live):
+                    # rows that finished leave the batch (their prefixes kept first): which
+                    # do, and when, follows from the rows' own tokens, so the shapes that
+                    # compute a row stay a function of the batch the caller composed
+                    self._keep_prefixes(
+                        [(requests[row], outputs[row], i) for i, row in enumerate(live)
+                         if not active[row]], cache, width,
+                    )  # fmt: skip
+                    kept = [i for i, row in enumerate(live) if active[row]]
+                    index = torch.tensor(kept)
+                    for layer in cache.layers:
+                        layer.select_rows(index.to(device))
+                    attention, next_ids = attention[index], next_ids[index]
+                    live = [live[i] for i in kept]
                 step_ids = next_ids
-                attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long)], 1)
-        if self.prefixes.max_bytes > 0 and self._reuse:
-            self._keep_prefixes(requests, outputs, cache, width)
+                attention = torch.cat([attention, torch.ones((len(live), 1), dtype=torch.long)], 1)
+        self._keep_prefixes(
+            [(requests[row], outputs[row], i) for i, row in enumerate(live)], cache, width
+        )
         model_s = time.perf_counter() - started
         return [
             Generation(output_ids=o, logprobs=lp, finish_reason=r, model_s=model_s)
             for o, lp, r in zip(outputs, logprobs, reasons, strict=True)
         ]
+
+
+def _compactable(cache: Any) -> bool:
+    """Whether rows can leave `cache` mid-decode: every layer is a preallocated one."""
+    layer_class = _preallocated_layer()
+    return all(isinstance(layer, layer_class) for layer in cache.layers)
 
 
 def _decode_cache(config: Any, capacity: int) -> Any:
@@ -370,6 +407,20 @@ def _preallocated_layer() -> type:
             self.keys = self._keys[..., :end, :]
             self.values = self._values[..., :end, :]
             return self.keys, self.values
+
+        def select_rows(self, index: Any) -> None:
+            """Keep the batch rows `index` names, in its order (the filled columns)."""
+
+            def pick(buffer: Any) -> Any:
+                picked = torch.empty(
+                    (len(index), *buffer.shape[1:]), dtype=buffer.dtype, device=buffer.device
+                )
+                picked[..., : self.filled, :] = buffer[index, ..., : self.filled, :]
+                return picked
+
+            self._keys, self._values = pick(self._keys), pick(self._values)
+            self.keys = self._keys[..., : self.filled, :]
+            self.values = self._values[..., : self.filled, :]
 
         def _grow(self, key_states: Any, value_states: Any, columns: int) -> None:
             def buffer(held: Any, like: Any) -> Any:

@@ -145,10 +145,58 @@ def test_decoding_into_preallocated_buffers_gives_dynamic_caches_bits(
         return cache
 
     monkeypatch.setattr(rollout.policy, "_decode_cache", short)
-    preallocated = _two_turns(HFPolicy(model, eos_token_id=-1))
+    preallocated = _two_turns(HFPolicy(model, eos_token_id=-1, drop_finished=False))
     assert sizes  # the policy decoded through it
     monkeypatch.setattr(rollout.policy, "_decode_cache", lambda c, _: DynamicCache(config=c))
-    assert preallocated == _two_turns(HFPolicy(model, eos_token_id=-1))
+    assert preallocated == _two_turns(HFPolicy(model, eos_token_id=-1, drop_finished=False))
+
+
+def test_rows_that_finish_leave_the_batch_and_keep_their_prefixes(model: Any) -> None:
+    """Rows with different token budgets finish at different steps and leave the batch's
+    forwards (3, then 2, then 1 row): each row's tokens are those of a batch that feeds
+    them padding to the end, log-probs to float rounding; the prefix a row left when it
+    finished early serves its next turn as it does without dropping."""
+
+    def run(drop: bool) -> tuple[list[Any], list[int], HFPolicy]:
+        policy = HFPolicy(model, eos_token_id=-1, drop_finished=drop)
+        rows: list[int] = []
+        hook = model.register_forward_pre_hook(
+            lambda _m, _a, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+        )
+        try:
+            contexts = [PROMPT * (1 + i) for i in range(3)]
+            first = asyncio.run(
+                policy.generate_batch(
+                    [
+                        GenerationRequest(
+                            c, SamplingParams(max_new_tokens=b, temperature=0), f"{i}"
+                        )
+                        for i, (c, b) in enumerate(zip(contexts, [3, 12, 7], strict=True))
+                    ]
+                )
+            )
+            later = [c + g.output_ids + [11, 12] for c, g in zip(contexts, first, strict=True)]
+            greedy = SamplingParams(max_new_tokens=6, temperature=0)
+            second = asyncio.run(
+                policy.generate_batch(
+                    [GenerationRequest(c, greedy, f"{i}") for i, c in enumerate(later)]
+                )
+            )
+        finally:
+            hook.remove()
+        return [*first, *second], rows, policy
+
+    dropped, dropped_rows, policy = run(True)
+    kept, kept_rows, _ = run(False)
+    assert dropped_rows[:12] == [3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1]
+    assert set(kept_rows) == {3}
+    for a, b in zip(dropped, kept, strict=True):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    # every session's second turn fed only its new tail: its prefix was kept
+    assert policy.context_tokens["reused"] == sum(
+        len(PROMPT) * (1 + i) + len(g.output_ids) - 1 for i, g in enumerate(dropped[:3])
+    )
 
 
 @pytest.fixture(scope="module")
