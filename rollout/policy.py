@@ -368,7 +368,10 @@ def _decode_cache(config: Any, capacity: int) -> Any:
     of everything so far, per layer and token: a quarter of the bundled student's decode
     time). What the layer hands attention is the filled columns, a view with the shape,
     values and inner strides the concatenation gave, so the logits are bit for bit
-    those of DynamicCache (tests/test_policy.py). Other layer kinds are kept as they are."""
+    those of DynamicCache (tests/test_policy.py). Its memory is what DynamicCache holds
+    at the batch's end (without the concatenation's second copy). Rows leave it with
+    `select_rows` (finished ones, `HFPolicy.drop_finished`). Other layer kinds are kept as
+    they are, and a cache holding one keeps every row."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -399,8 +402,10 @@ def _preallocated_layer() -> type:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             end = self.filled + key_states.shape[-2]
-            if self.filled == 0 or end > self._keys.shape[-2]:  # first, or past capacity
+            if self.filled == 0:
                 self._grow(key_states, value_states, max(end, self.capacity))
+            elif end > self._keys.shape[-2]:  # past capacity: doubled, not a column a step
+                self._grow(key_states, value_states, max(end, 2 * self._keys.shape[-2]))
             self._keys[..., self.filled : end, :] = key_states
             self._values[..., self.filled : end, :] = value_states
             self.filled = end
