@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -283,8 +284,13 @@ def test_train_kill_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
         assert first.poll() is None, first.stderr.read().decode() if first.stderr else ""
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGKILL)  # the trainer and its teacher, mid-run
+    teachers = _children(first.pid, "teacher_server")
+    assert len(teachers) == 1
+    os.kill(first.pid, signal.SIGKILL)  # the trainer alone, mid-run (as an OOM kill would)
     first.wait(timeout=30)
+    _gone(teachers[0], timeout_s=30)  # its teacher did not outlive it
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(first.pid, signal.SIGKILL)  # whatever else of its group is left
     resumed_from = _checkpoint_step(state)
     second = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=400, check=False
@@ -307,6 +313,28 @@ def test_train_kill_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
         )
         assert m["perf/processed_tokens_per_loss_token"] > 1  # contexts are recomputed
         assert m["perf/effective_tokens_per_gpu_per_sec"] > 0
+
+
+def _children(pid: int, command: str) -> list[int]:
+    found = subprocess.run(
+        ["pgrep", "-P", str(pid), "-f", command], capture_output=True, text=True, check=False
+    )
+    return [int(child) for child in found.stdout.split()]
+
+
+def _gone(pid: int, timeout_s: float) -> None:
+    """Wait for `pid` to end (a zombie waiting for its reaper counts as ended)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)  # not left behind by the failure
+    raise AssertionError(f"process {pid} still runs {timeout_s} s after its parent was killed")
 
 
 def _checkpoint_step(path: Path) -> int:
