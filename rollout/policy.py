@@ -292,15 +292,15 @@ class HFPolicy:
                 ids = request.input_ids[-fed:]
                 input_ids[row, fed - len(ids) :] = torch.tensor(ids)
                 attention[row, width - len(request.input_ids) :] = 1
+            longest = max(request.params.max_new_tokens for request in requests)
             # every column the batch can hold: its widest context and every new token
-            capacity = width + max(request.params.max_new_tokens for request in requests)
-            cache = _decode_cache(self.model.config, capacity)
+            cache = _decode_cache(self.model.config, width + longest)
             if fed < width:
                 _seed_cache(cache, requests, reused, fed, width - fed, device)
             step_ids = input_ids
             live = list(range(rows))  # the requests the forward's rows are, in order
             compact = self.drop_finished and _compactable(cache)
-            for step in range(max(request.params.max_new_tokens for request in requests)):
+            for step in range(longest):
                 positions = attention.cumsum(-1)[:, -step_ids.shape[1] :] - 1
                 logits = (
                     self.model(
@@ -339,8 +339,9 @@ class HFPolicy:
                     )  # fmt: skip
                     kept = [i for i, row in enumerate(live) if active[row]]
                     index = torch.tensor(kept)
+                    on_device = index.to(device)
                     for layer in cache.layers:
-                        layer.select_rows(index.to(device))
+                        layer.select_rows(on_device)
                     attention, next_ids = attention[index], next_ids[index]
                     live = [live[i] for i in kept]
                 step_ids = next_ids
