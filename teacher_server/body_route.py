@@ -26,7 +26,6 @@ body was read): an endpoint takes exactly its body model.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -48,11 +47,11 @@ from teacher_server.backend import (
     check_request_tokens,
     request_tokens,
 )
+from teacher_server.lifetime import end_with_parent
 
 MAX_PROBLEMS = 5
 PROCESS_CHECK_BYTES = 256 * 1024
 """Bodies at least this large are checked in another process first (BodyChecker)."""
-_PR_SET_PDEATHSIG = 1
 CHECKER_NICENESS = 10
 ANSWER_CHUNK = 256 * 1024
 """Bytes of an answer handed to the server at a time (send_in_chunks)."""
@@ -195,9 +194,7 @@ class BodyChecker:
 def _checker_init(parent: int) -> None:
     """The checker's initializer: SIGKILL when the thread that started it ends, and a lower
     priority than the service (where they share a core, serving comes first)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the service died before the line above
-        os._exit(1)
+    end_with_parent(parent, signal.SIGKILL)
     os.nice(CHECKER_NICENESS)
 
 

@@ -11,7 +11,7 @@ checkpoint predates it, so no trajectory is lost or counted twice.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import json
 import os
 import random
@@ -54,6 +54,7 @@ from slime_ext.local.preflight import LOCAL_RECIPES
 from slime_ext.local.progress import TrainingReport
 from slime_ext.local.trainer import LocalTrainer, SelfTeacher, TrainerConfig
 from teacher_server.client import TeacherClient
+from teacher_server.lifetime import end_with_parent
 from teacher_server.snapshot_sync import refresh_steps
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -103,7 +104,9 @@ def embedded_teacher(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_ended_with_this_thread(),
+            # it ends with this thread: a run killed where the finally below never runs
+            # leaves no teacher holding its model and port
+            preexec_fn=functools.partial(end_with_parent, os.getpid(), signal.SIGTERM),
         )
         try:
             yield served_url(server, port_file, startup_timeout_s, f"see {log_path}")
@@ -114,28 +117,6 @@ def embedded_teacher(
             except subprocess.TimeoutExpired:
                 server.kill()
             port_file.unlink(missing_ok=True)
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _ended_with_this_thread() -> Callable[[], None] | None:
-    """A Popen preexec_fn (Linux; None elsewhere): the child is sent SIGTERM when the
-    thread that started it ends, so a process killed where its `finally` never runs
-    (SIGKILL, a SIGTERM it does not handle: a killed demo or bench) leaves no teacher
-    behind holding its model and port. prctl is looked up before the fork: the child
-    only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def set_up() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent ended before the line above
-            os._exit(1)
-
-    return set_up
 
 
 def served_url(
