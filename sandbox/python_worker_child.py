@@ -578,7 +578,15 @@ class Supervisor:
             kept = keep not in self.reap() and kept
             left = [pid for pid in _descendants(os.getpid()) if pid != keep and _is_live(pid)]
             if not left:
-                return kept
+                # The scan reads one process's children at a time: a child of ours that
+                # died after its parent's list was read handed its own children to us
+                # unseen (the cell's fork, mid hand-over, left a copy that took the next
+                # call). It is a zombie of ours now: reap it and scan again.
+                late = self.reap()
+                kept = keep not in late and kept
+                if not late:
+                    return kept
+                continue
             if time.monotonic() > deadline:
                 raise RuntimeError(f"processes the cell left survived SIGKILL: {left}")
             for pid in left:
