@@ -661,7 +661,7 @@ def check_teacher_command(job: JobConfig, info_url: str) -> str:
 
 def _wait(url: str, timeout_s: int = 1800) -> str:
     """A command that returns once `url` answers (SGLang loads a large model for minutes)."""
-    loop = f"until curl -sf {url} >/dev/null; do sleep 5; done"
+    loop = f"until curl -sf {url} >/dev/null; do sleep 1; done"
     return f"timeout {timeout_s} bash -c {shlex.quote(loop)}"
 
 

@@ -203,36 +203,6 @@ def _submit_variant(
     return script, job
 
 
-@pytest.mark.timeout(420)
-def test_without_ray_start_block_the_cluster_never_forms_and_a_relaunch_needs_no_cleanup(
-    tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
-) -> None:
-    """Negative control: `ray start` without --block (the plan before this fix) returns at
-    once, its step ends (the plan's watch stops the job there), and under proctrack/cgroup
-    Slurm kills what it started: nothing is submitted. Then the plan as
-    written, on the same cluster with no cleanup in between, runs the whole job under
-    cgroup (the checks of the linuxproc test)."""
-    require_slurm("cgroup")
-    script, job = _submit_variant(
-        tmp_path, factory_dir, request, lambda text: text.replace("ray start --block", "ray start"),
-    )  # fmt: skip
-    with slurm_cluster(tmp_path / "slurm", "cgroup") as cluster:
-        state = cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=240)
-        assert state == "FAILED"
-        log = next((tmp_path / "run/logs").glob("slurm-*.out")).read_text()
-        # the plan's watch saw the head's step end (before: a wait for a cluster that never
-        # forms, up to ray_wait_s)
-        assert "daemon ray-head ended while the job ran" in log, log[-3000:]
-        assert not (tmp_path / "run/standin-train.json").exists()
-        assert cluster.wait_queue_empty(timeout_s=30) == []
-        assert cluster.processes_left(LEFTOVERS) == []
-        # the plan as written, relaunched on the same nodes after the failure, no cleanup
-        fixed = tmp_path / "job-fixed.sbatch"
-        fixed.write_text(render_sbatch(job, fixed))
-        state = cluster.wait_job(cluster.sbatch(fixed, _job_env()), timeout_s=240)
-        _check_the_run(tmp_path, cluster, state)
-
-
 @pytest.mark.timeout(300)
 def test_without_overlap_a_step_waits_for_ever_and_scancel_leaves_nothing(
     tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
@@ -325,29 +295,55 @@ def test_killing_the_teacher_mid_run_stops_the_job_and_leaves_nothing(
         assert cluster.processes_left(LEFTOVERS) == []
 
 
-@pytest.mark.timeout(480)
-def test_a_relaunch_goes_on_from_the_newest_checkpoint_with_the_same_wandb_run(
+@pytest.mark.timeout(600)
+def test_no_cleanup_after_failed_jobs_and_a_relaunch_goes_on_from_the_newest_checkpoint(
     tmp_path: Path, factory_dir: Path, request: pytest.FixtureRequest
 ) -> None:
-    """A job that dies after its second checkpoint (the stand-in train.py saving as slime's
-    loop does, tests/launch_standins.py), launched again with the same config: the batch
-    script's relaunch step accepts it, training goes on after the newest checkpoint, both
-    launches log to one W&B run, and no more than logging.keep_checkpoints checkpoints are
-    left (the pruner beside training, its last pass at each job's end). A third launch with
-    a changed setting stops at the relaunch step, naming it, before any daemon starts."""
-    require_slurm("linuxproc")
+    """Under proctrack/cgroup, on one cluster with no cleanup in between:
+    1. negative control: `ray start` without --block (the plan before that fix) returns at
+       once, its step ends (the plan's watch stops the job there), Slurm kills what it
+       started: nothing is submitted, nothing is left;
+    2. the plan as written: a job that dies after its second checkpoint (the stand-in
+       train.py saving as slime's loop does, tests/launch_standins.py);
+    3. launched again with the same config: the batch script's relaunch step accepts it,
+       training goes on after the newest checkpoint, both launches log to one W&B run, no
+       more than logging.keep_checkpoints checkpoints are left (the pruner beside training,
+       its last pass at each job's end), and the job's view of the cluster is right (the
+       nodes and their resources, the teacher's key: `_check_the_run`);
+    4. a launch with a changed setting stops at the relaunch step, naming it, before any
+       daemon starts."""
+    require_slurm("cgroup")
     changes = {
         "algorithm": {"steps": 8},
         "logging": {"wandb_mode": "offline", "save_every_steps": 2, "keep_checkpoints": 2},
     }
-    script, job = _submit_variant(tmp_path, factory_dir, request, lambda t: t, changes=changes)
+    unblocked, job = _submit_variant(
+        tmp_path, factory_dir, request,
+        lambda text: text.replace("ray start --block", "ray start"), changes=changes,
+    )  # fmt: skip
     run, save = tmp_path / "run", tmp_path / "save"
-    (run / "checkpointing").write_text("")
-    (run / "stop-after").write_text("2")
-    with slurm_cluster(tmp_path / "slurm", "linuxproc") as cluster:
+    with slurm_cluster(tmp_path / "slurm", "cgroup") as cluster:
+        state = cluster.wait_job(cluster.sbatch(unblocked, _job_env()), timeout_s=240)
+        assert state == "FAILED"
+        log = next(run.glob("logs/slurm-*.out"))
+        # the plan's watch saw the head's step end (before: a wait for a cluster that never
+        # forms, up to ray_wait_s)
+        assert "daemon ray-head ended while the job ran" in log.read_text(), log.read_text()
+        assert "a new run in" in log.read_text()
+        assert not (run / "standin-train.json").exists()
+        assert not (run / "standin-steps.jsonl").exists()
+        assert cluster.wait_queue_empty(timeout_s=30) == []
+        assert cluster.processes_left(LEFTOVERS) == []
+        log.rename(log.with_suffix(".unblocked"))
+        script = tmp_path / "job-fixed.sbatch"
+        script.write_text(render_sbatch(job, script))
+        (run / "checkpointing").write_text("")
+        (run / "stop-after").write_text("2")
         assert cluster.wait_job(cluster.sbatch(script, _job_env()), timeout_s=300) == "FAILED"
         first = next(run.glob("logs/slurm-*.out")).read_text()
-        assert "a new run in" in first and "dying after checkpoint 3" in first, first[-3000:]
+        # the failed launch recorded the run: this one goes on with it, from no checkpoint
+        assert "a new run in" not in first and "training starts at step 0" in first, first
+        assert "dying after checkpoint 3" in first, first[-3000:]
         (run / "stop-after").unlink()
         for log in run.glob("logs/slurm-*.out"):
             log.rename(log.with_suffix(".first"))
@@ -357,6 +353,7 @@ def test_a_relaunch_goes_on_from_the_newest_checkpoint_with_the_same_wandb_run(
         second = next(run.glob("logs/slurm-*.out")).read_text()
         assert state == "COMPLETED", second[-3000:]
         assert "slime resumes from the checkpoint after step 4" in second
+        _check_the_run(tmp_path, cluster, state)
         steps = [
             json.loads(line) for line in (run / "standin-steps.jsonl").read_text().splitlines()
         ]
