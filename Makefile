@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 # test processes (pytest-xdist: whole files each, so a file's fixtures and uid ranges stay
 # in one process); 1 runs the suite in this one
 TEST_WORKERS ?= 2
+# torch threads per test process: the cores shared out, so that the test processes (and
+# the servers and ranks they start) do not oversubscribe them
+TEST_THREADS ?= $(shell n=$$(( $$(nproc) / $(TEST_WORKERS) )); echo $$(( n > 0 ? n : 1 )))
 
 .PHONY: demo test lint clean sandbox-tools slime
 
@@ -45,7 +48,8 @@ slime: $(STAMP)
 	bash tests/install_megatron_lm.sh "$(MEGATRON_LM_SOURCE)" "$(VENV)"
 
 test: $(STAMP) sandbox-tools slime
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
