@@ -606,3 +606,67 @@ def test_basic_isolation_refuses_import_paths_it_cannot_contain(
     assert refused.returncode != 0 and refused.stdout == b"", message
     assert str(venv_in_root_only_project.parent.parent) in message
     assert "isolation='strict'" in message and "`python`" in message
+
+
+def _sweep_after_a_stale_scan(result: Path) -> None:
+    """In a fresh subreaper: a child with a grandchild, then the sweep. Its first scan of
+    the process tree is stale: it read our children, then the child exited (a zombie of
+    ours, its grandchild handed to us) before the scan read the child's. Writes whether
+    the grandchild outlived the sweep."""
+    import ctypes
+    import signal
+
+    import sandbox.python_worker_child as child_module
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    pid_r, pid_w = os.pipe()
+    go_r, go_w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        grandchild = os.fork()
+        if grandchild == 0:
+            signal.pause()
+            os._exit(0)
+        os.write(pid_w, str(grandchild).encode())
+        os.read(go_r, 1)  # exit when the scan has read our parent's children
+        os._exit(0)
+    grandchild = int(os.read(pid_r, 32))
+    real, scans = child_module._descendants, []
+
+    def stale_once(root: int) -> set[int]:
+        scans.append(root)
+        if len(scans) > 1:
+            return real(root)
+        os.write(go_w, b"x")
+        while child_module._is_live(middle):  # exited, not reaped: the grandchild is ours
+            time.sleep(0.01)
+        return {middle}  # what the scan saw: the child, with no children of its own yet
+
+    child_module._descendants = stale_once
+    supervisor = child_module.Supervisor.__new__(child_module.Supervisor)
+    supervisor.kill_descendants(keep=None)
+    outlived = child_module._is_live(grandchild)
+    if outlived:
+        os.kill(grandchild, signal.SIGKILL)
+    result.write_text(json.dumps({"outlived": outlived, "scans": len(scans)}))
+
+
+def test_the_sweep_kills_what_a_child_that_died_during_the_scan_handed_over(
+    tmp_path: Path,
+) -> None:
+    """The worker's sweep after a call (kill every process but the state's keeper) reads
+    the tree one process at a time, so a child of the supervisor that dies mid-scan hands
+    its children over unseen. Seen under load: a cell's os.fork() left a copy of the cells'
+    process that took the next call ('1 + 1' timed out). An empty scan ends the sweep only
+    when no child of the supervisor died meanwhile; here the first scan is forced stale."""
+    import multiprocessing
+
+    result = tmp_path / "result.json"
+    process = multiprocessing.get_context("fork").Process(
+        target=_sweep_after_a_stale_scan, args=(result,)
+    )
+    process.start()
+    process.join(timeout=30)
+    assert process.exitcode == 0
+    seen = json.loads(result.read_text())
+    assert not seen["outlived"] and seen["scans"] >= 2, seen
