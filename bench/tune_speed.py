@@ -33,7 +33,8 @@ def run_tune(tree: Path, recipe: str, out: Path, scale: list[str]) -> tuple[floa
         os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")
     )
     cmd = [sys.executable, str(tree / "bench/baselines.py"), "tune", "--recipes", recipe]
-    cmd += ["--out", str(out), *scale]
+    # every part ends by writing the report: into the run's own folder, not the repo's docs
+    cmd += ["--out", str(out), "--report-dir", str(out / "report"), *scale]
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started

@@ -4,12 +4,12 @@ of them 20 times with no failure), and keep the tally across sessions.
 Each round runs every chosen test file once, alone (`pytest FILE -n 0`), while `--hogs`
 busy processes keep the cores full (at the tests' own priority). Rounds go file by file,
 round-robin, so every file's count grows evenly; a file already run `--rounds` times (by
-this or an earlier invocation: the tally is `--out`/tally.jsonl) is not run again, so a
-killed or time-limited invocation goes on where it stopped. A failing run's output is kept
-in `--out`/failures/. The summary says, per file, its runs, failures and slowest run.
+this or an earlier invocation: the tally is `--out`/tally.jsonl, committed) is not run
+again, so a killed or time-limited invocation goes on where it stopped. A failing run's
+output is kept in `--out`/failures/. The summary says, per file, its runs, failures and slowest run.
 
     .venv/bin/python tests/stress.py [--rounds 20] [--hogs 2] [--minutes 60]
-        [--files tests/test_fleet.py,...] [--out runs/stress]
+        [--files tests/test_fleet.py,...] [--out bench/results/stress]
 
 The default files are the suite's multi-process and service tests (processes, servers,
 Ray, Slurm, ssh, Docker): DEFAULT_FILES. Not part of the suite (it runs for hours).
@@ -95,9 +95,12 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--hogs", type=int, default=2, help="busy processes beside the tests")
+    parser.add_argument(
+        "--beside", default="", help="the machine's other work meanwhile (kept in the tally)"
+    )
     parser.add_argument("--minutes", type=float, help="start no run after this many minutes")
     parser.add_argument("--files", help="comma-separated test files (default: DEFAULT_FILES)")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs/stress")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/stress")
     parser.add_argument("--summary", action="store_true", help="print the tally and stop")
     args = parser.parse_args()
     files = args.files.split(",") if args.files else list(DEFAULT_FILES)
@@ -138,6 +141,7 @@ def main() -> None:
                 "passed": passed,
                 "wall_s": round(wall, 1),
                 "hogs": args.hogs,
+                "beside": args.beside,
                 "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "last_line": result.stdout.strip().splitlines()[-1] if result.stdout else "",
             }
