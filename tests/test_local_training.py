@@ -31,6 +31,7 @@ from slime_ext.losses import (
 )
 from slime_ext.models.factory import build_model
 from slime_ext.turns import per_turn_batch
+from tests.processes import running
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -326,11 +327,7 @@ def _gone(pid: int, timeout_s: float) -> None:
     """Wait for `pid` to end (a zombie waiting for its reaper counts as ended)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
+        if not running(pid):
             return
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)  # not left behind by the failure

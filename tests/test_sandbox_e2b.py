@@ -50,6 +50,7 @@ from sandbox.e2b import (
     reap,
 )
 from tests.e2b_standin import STANDIN_API_KEY, FakeClock, StandInCloud, standin_cloud
+from tests.processes import running
 
 T = TypeVar("T")
 OWNER = f"pytest-{os.getpid()}"
@@ -85,21 +86,12 @@ def make(
     return E2BSandbox(cfg, limiter=limiter, sdk=cloud.AsyncSandbox, clock=clock)
 
 
-def process_gone(pid: int) -> bool:
-    """The host process `pid` no longer runs (gone, or a zombie nobody reaped yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state == "Z"
-
-
 def killed(pid: int, within_s: float = 5.0) -> bool:
     """`pid` is gone within `within_s`: SIGKILL is delivered asynchronously, so a process
     the sweep just killed may still show as running for a moment on a loaded machine (a
     `sleep 30` the sweep missed would still run after it)."""
     deadline = time.monotonic() + within_s
-    while not process_gone(pid):
+    while running(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -203,7 +195,7 @@ def test_deadline_kills_only_the_command_without_the_sweep_against_standin(
         async with make(cloud, clock, sweep_on_kill=False) as sandbox:
             result = await sandbox.exec("sleep 30 & echo $! > bg.pid; wait", 0.2)
             background = int((await sandbox.read_file("bg.pid")).decode())
-            return result, process_gone(background)
+            return result, not running(background)
 
     result, background_gone = run(go())
     assert result.timed_out and result.exit_code == 137

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import running
 from tests.ssh_nodes import require_ssh, ssh_nodes
 
 
@@ -31,16 +32,7 @@ def test_each_node_sees_its_own_address_and_nothing_outlives_the_nodes(tmp_path:
     assert [line.split()[0] for line in nodes.killed_at_exit] == [str(sleeper)]
     assert nodes.leftovers() == []
     for pid in (sleeper, sshd_pid):
-        assert not _running(pid)
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a killed orphan may wait a moment for init to reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
+        assert not running(pid)
 
 
 def test_require_ssh_fails_under_ci_when_ssh_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

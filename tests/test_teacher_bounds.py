@@ -31,6 +31,7 @@ from teacher_server.backend import Overloaded, item_tokens
 from teacher_server.hf_backend import HFBackend, MicroBatcher, ScoreJob
 from teacher_server.metrics import ServerMetrics
 from tests.live_server import free_port, serve_in_thread, wait_until_healthy
+from tests.processes import running
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.timeout(300)]
 MAX_CONTEXT = 1024
@@ -431,13 +432,6 @@ def test_a_killed_service_leaves_no_body_checker_behind(model_dir: Path, tmp_pat
         server.kill()
         server.wait(30)
     deadline = time.monotonic() + 10
-    while alive := [c for c in children if _state(int(c)) not in ("gone", "Z")]:
+    while alive := [c for c in children if running(int(c))]:
         assert time.monotonic() < deadline, f"{alive} outlived the service"
         time.sleep(0.1)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
