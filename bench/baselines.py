@@ -31,8 +31,8 @@ continues from its newest checkpoint, SSD's sampling from its file; each fits in
 session of 3 hours on 2 cores: tune about 90 minutes, compare about 95, extend about 40,
 ablate about 90). Two parts may run at once on one --out: a run (and an SSD sample file)
 is trained by one process at a time, the other waits for it and reuses its result; two
-processes of compare (or of ablate) leave the runs the other has to the end, so they share
-the part's runs (each with OMP_NUM_THREADS=1 on 2 cores).
+processes of compare (or of ablate, or of extend) leave the runs the other has to the end,
+so they share the part's runs (each with OMP_NUM_THREADS=1 on 2 cores).
 The parts:
     tune     every recipe's grid, seed 0 (RL: 3 lrs x 2 group sizes; others: 3 lrs),
              scored on the test set at the end only
@@ -841,12 +841,17 @@ class Bench:
         if unknown := wanted - set(arms) | wanted & {"opd"}:
             raise SystemExit(f"extend: no such baseline {sorted(unknown)}; one of {list(arms)[1:]}")
         budget, cap = self.budget(), MAX_EXTEND * self.scale.steps
-        for recipe, group in arms.items():
-            if recipe not in wanted:
-                continue
-            for arm in group:
-                with exclusive(run_dir_of(self.out, arm), self.log):
+        later = []
+        for arm in (arm for recipe, group in arms.items() if recipe in wanted for arm in group):
+            with exclusive(run_dir_of(self.out, arm), self.log, wait=False) as mine:
+                if mine:
                     self._extend(arm, budget, cap)
+                else:  # as run_all: another process has it now, so it is left to the end
+                    self.log(f"{arm.key}: another bench process is extending it, left to the end")
+                    later.append(arm)
+        for arm in later:
+            with exclusive(run_dir_of(self.out, arm), self.log):
+                self._extend(arm, budget, cap)
 
     def _extend(self, arm: Arm, budget: float, cap: int) -> None:
         result = self.run(arm)
@@ -972,8 +977,8 @@ def main() -> None:
     parser.add_argument(
         "--recipes",
         help="tune (default: opd,rl,sft,ssd) and extend (default: rl,sft,ssd,opd_rl): these "
-        "recipes only; two extend processes with disjoint recipes share the work (two compare "
-        "or ablate processes share theirs without it)",
+        "recipes only (two extend, compare or ablate processes share their part's runs "
+        "without it)",
     )
     for name in asdict(Scale()):
         parser.add_argument(

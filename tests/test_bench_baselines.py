@@ -287,6 +287,36 @@ def test_a_run_another_process_holds_is_left_to_the_end_not_queued_behind(
     assert said == ["opd-lr0.0001-s0: another bench process is running it, left to the end"]
 
 
+def test_extend_leaves_a_run_another_process_is_extending_to_the_end(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two extend processes share the part whatever their --recipes: the one that finds a
+    run held extends the others first, then waits for it (and reuses what it finds)."""
+    import fcntl
+
+    for recipe in baselines.RECIPES:
+        keep_grid(bench, recipe, 0.2, 1000.0)
+    arms = bench.compare_arms()["sft"]
+    held = baselines.run_dir_of(bench.out, arms[0])
+    held.parent.mkdir(parents=True, exist_ok=True)
+    other = open(held.with_name(held.name + ".lock"), "a")  # noqa: SIM115 (closed mid-test)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: flock conflicts
+    order: list[int] = []
+
+    def extend(arm: Arm, budget: float, cap: int) -> None:
+        order.append(arm.seed)
+        if arm.seed == arms[-1].seed:
+            other.close()  # the other process ends its run
+
+    monkeypatch.setattr(bench, "budget", lambda: 8000.0)
+    monkeypatch.setattr(bench, "_extend", extend)
+    said: list[str] = []
+    bench.log = said.append
+    bench.extend(["sft"])
+    assert len(arms) > 1 and order == [a.seed for a in arms[1:]] + [arms[0].seed]
+    assert said == [f"{arms[0].key}: another bench process is extending it, left to the end"]
+
+
 def test_ablation_blocks_pair_with_the_reports_spec_at_both_ssd_rates(bench: Bench) -> None:
     for recipe in baselines.RECIPES:
         keep_grid(bench, recipe, 0.2, 1000.0)
