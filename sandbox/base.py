@@ -17,6 +17,14 @@ from typing import Literal, Protocol, Self, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+STEADY_PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
+"""In every backend's environment (a config's `env` may override it): Python writes no
+.pyc. A .pyc is trusted while its source keeps the size and the whole-second mtime it was
+compiled from, so an edit that keeps a file's size, made within the second after an
+import, would run the stale bytecode, and a command's result would depend on timing.
+Found rebuilding the bundled SWE models: 7 of 800 worked scripts re-ran their fix and
+printed the unfixed code's output, a different 7 each build."""
+
 LimitName = Literal["wall_time", "cpu_time", "memory", "processes", "file_size", "output"]
 """A resource limit that stopped or crippled a command."""
 

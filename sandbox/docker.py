@@ -65,6 +65,7 @@ from docker.types import Ulimit
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandbox.base import (
+    STEADY_PYTHON_ENV,
     ExecResult,
     LimitName,
     SandboxClosedError,
@@ -482,7 +483,7 @@ class DockerSandbox(StartsAndCloses):
                 # command (not even `kill -9 -1` as root) can end the sandbox.
                 user="65534:65534" if self._user in ("0", "0:0", "root") else "0:0",
                 working_dir=cfg.workdir,
-                environment={"HOME": cfg.workdir, "TMPDIR": "/tmp", **cfg.env},
+                environment={"HOME": cfg.workdir, "TMPDIR": "/tmp", **STEADY_PYTHON_ENV, **cfg.env},
                 labels=self.labels,
                 volumes=mounts,
                 tmpfs={"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size_mb}m,mode=1777"},

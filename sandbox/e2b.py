@@ -70,6 +70,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from sandbox.base import (
+    STEADY_PYTHON_ENV,
     ExecResult,
     LimitName,
     SandboxClosedError,
@@ -434,7 +435,7 @@ class E2BSandbox(StartsAndCloses):
             template=cfg.template,
             timeout=cfg.lifetime_s,
             metadata=self.labels,
-            envs=cfg.env or None,
+            envs={**STEADY_PYTHON_ENV, **cfg.env},
             allow_internet_access=cfg.allow_internet_access,
             **cfg.api_params(),
         )

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from sandbox.base import LimitName
+from sandbox.base import STEADY_PYTHON_ENV, LimitName
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +252,7 @@ class Jail:
             "TMPDIR": tmp,
             "LANG": "C.UTF-8",
             "USER": "sandbox",
+            **STEADY_PYTHON_ENV,
         }
 
 

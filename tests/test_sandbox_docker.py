@@ -137,6 +137,19 @@ def test_command_output_streams_and_exit_code(image: str) -> None:
     assert text.ok and text.stdout == "café \ufffd"
 
 
+def test_python_runs_an_edit_made_in_the_second_of_an_earlier_import(image: str) -> None:
+    """As in local sandboxes: no stale bytecode (sandbox.base.STEADY_PYTHON_ENV), also in an
+    image that does not set it itself (the test base, as SWE-bench's images; `image`, built
+    on it, sets it)."""
+    from tests.docker_images import BASE_IMAGE
+    from tests.test_sandbox_local import STALE_BYTECODE_SCRIPT
+
+    result = run(sandboxed(config(BASE_IMAGE), STALE_BYTECODE_SCRIPT, 30))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == ["1", "2"]
+    assert "__pycache__" not in result.stdout.split()
+
+
 def test_cwd_env_and_home_and_no_host_environment(
     image: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

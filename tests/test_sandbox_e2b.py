@@ -282,7 +282,7 @@ def test_cwd_is_relative_to_the_workdir_and_env_is_passed_against_standin(
     assert here.stdout.splitlines()[0].endswith("/home/user/sub")
     assert here.stdout.splitlines()[1] == "f c"
     assert missing.exit_code == 1 and "nope" in missing.stderr
-    assert cloud.created[0]["envs"] == {"FROM_CONFIG": "c"}
+    assert cloud.created[0]["envs"] == {"PYTHONDONTWRITEBYTECODE": "1", "FROM_CONFIG": "c"}
 
 
 def test_cancelled_exec_kills_its_command_against_standin(

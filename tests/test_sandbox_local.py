@@ -264,6 +264,27 @@ def test_commands_run_as_the_sandbox_uid_in_its_workdir_with_a_scrubbed_env(
     assert where.stdout.strip() == str(workdir / "sub" / "dir")
 
 
+# An edit that keeps the file's size, with its mtime in the same second as the import
+# before it: a .pyc written by that import would be trusted, and the edit not run.
+STALE_BYTECODE_SCRIPT = (
+    "printf 'X = 1\\n' > m.py && touch -r m.py stamp && python3 -c 'import m; print(m.X)' && "
+    "printf 'X = 2\\n' > m.py && touch -r stamp m.py && python3 -c 'import m; print(m.X)'; "
+    "ls -a"
+)
+
+
+@pytest.mark.parametrize("isolation", BOTH)
+def test_python_runs_an_edit_made_in_the_second_of_an_earlier_import(
+    root_dir: Path, isolation: str
+) -> None:
+    """No command's result depends on timing through Python's bytecode cache
+    (sandbox.base.STEADY_PYTHON_ENV)."""
+    result = run(_exec_once(config(root_dir, isolation), STALE_BYTECODE_SCRIPT, 30))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == ["1", "2"]
+    assert "__pycache__" not in result.stdout.split()
+
+
 @pytest.mark.parametrize("isolation", BOTH)
 def test_deadline_kills_the_command_and_reports_it(root_dir: Path, isolation: str) -> None:
     result = run(_exec_once(config(root_dir, isolation), "echo started; sleep 30", 0.5))
