@@ -22,8 +22,8 @@ STEADY_PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 .pyc. A .pyc is trusted while its source keeps the size and the whole-second mtime it was
 compiled from, so an edit that keeps a file's size, made within the second after an
 import, would run the stale bytecode, and a command's result would depend on timing.
-Found rebuilding the bundled SWE models: 7 of 800 worked scripts re-ran their fix and
-printed the unfixed code's output, a different 7 each build."""
+Found rebuilding the bundled SWE models: two builds of their 800 worked-script traces
+differed in 7, where a script re-ran its fix and printed the unfixed code's output."""
 
 LimitName = Literal["wall_time", "cpu_time", "memory", "processes", "file_size", "output"]
 """A resource limit that stopped or crippled a command."""
