@@ -815,16 +815,22 @@ class Bench:
         """Each arm run (`run`) in order, but one that another bench process is running
         now is left to the end, then waited for and reused: two processes of one part on
         one --out share its runs instead of queueing behind each other."""
+        self.each_shared(arms, lambda arm: self._run(arm, None, curve), "running")
+
+    def each_shared(self, arms: Iterable[Arm], work: Callable[[Arm], object], doing: str) -> None:
+        """`work(arm)` for each arm, holding its run's lock; an arm another bench process
+        holds now is left to the end, then waited for (`work` reuses what it finds)."""
         later = []
         for arm in arms:
             with exclusive(run_dir_of(self.out, arm), self.log, wait=False) as mine:
                 if mine:
-                    self._run(arm, None, curve)
+                    work(arm)
                 else:
-                    self.log(f"{arm.key}: another bench process is running it, left to the end")
+                    self.log(f"{arm.key}: another bench process is {doing} it, left to the end")
                     later.append(arm)
         for arm in later:
-            self.run(arm, curve=curve)
+            with exclusive(run_dir_of(self.out, arm), self.log):
+                work(arm)
 
     def compare(self) -> None:
         """Equal steps: the tuned settings at every seed, scored along the way."""
@@ -841,17 +847,8 @@ class Bench:
         if unknown := wanted - set(arms) | wanted & {"opd"}:
             raise SystemExit(f"extend: no such baseline {sorted(unknown)}; one of {list(arms)[1:]}")
         budget, cap = self.budget(), MAX_EXTEND * self.scale.steps
-        later = []
-        for arm in (arm for recipe, group in arms.items() if recipe in wanted for arm in group):
-            with exclusive(run_dir_of(self.out, arm), self.log, wait=False) as mine:
-                if mine:
-                    self._extend(arm, budget, cap)
-                else:  # as run_all: another process has it now, so it is left to the end
-                    self.log(f"{arm.key}: another bench process is extending it, left to the end")
-                    later.append(arm)
-        for arm in later:
-            with exclusive(run_dir_of(self.out, arm), self.log):
-                self._extend(arm, budget, cap)
+        chosen = (arm for recipe, group in arms.items() if recipe in wanted for arm in group)
+        self.each_shared(chosen, lambda arm: self._extend(arm, budget, cap), "extending")
 
     def _extend(self, arm: Arm, budget: float, cap: int) -> None:
         result = self.run(arm)
