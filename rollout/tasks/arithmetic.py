@@ -8,6 +8,7 @@ its split, so train and held-out never share a problem.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from importlib import resources
@@ -22,7 +23,9 @@ Split = Literal["train", "heldout"]
 HELDOUT_SHARE = 0.2
 
 
+@functools.cache
 def _spec() -> dict[str, Any]:
+    """arithmetic.yaml, parsed once (read only: a trace per task re-parsed it each time)."""
     spec: dict[str, Any] = yaml.safe_load(
         resources.files("rollout.tasks").joinpath("arithmetic.yaml").read_text()
     )
