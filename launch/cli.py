@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -592,20 +593,48 @@ def demo_models_build(
     teacher_step: Annotated[
         int | None, typer.Option(help="SFT step saved as the teacher (default: recorded).")
     ] = None,
-    seed: Annotated[int, typer.Option(help="Initialization and data seed.")] = 0,
+    seed: Annotated[
+        int | None, typer.Option(help="Initialization and data seed (default: the recipe's, 0).")
+    ] = None,
+    recipe: Annotated[
+        Path | None,
+        typer.Option(
+            help="A JSON object of recipe fields replacing the recorded ones (the options "
+            "above still apply), e.g. a learning-rate schedule and a student chosen by "
+            "scored snapshots (select_every)."
+        ),
+    ] = None,
 ) -> None:
     """Train a demo's models by SFT on worked traces (the recorded recipe; swe: worked
     mini-SWE scripts run in local sandboxes first)."""
-    from slime_ext.local.demo_models import DemoModelsRecipe, build_demo_models
+    from pydantic import ValidationError
 
+    from slime_ext.local.demo_models import DemoModelsError, DemoModelsRecipe, build_demo_models
+
+    changed: dict[str, Any] = {}
+    try:
+        if recipe is not None:
+            changed = json.loads(recipe.read_text())
+            if not isinstance(changed, dict):
+                raise ValueError("not a JSON object of recipe fields")
+        if seed is not None:
+            changed["seed"] = seed
+        if student_step is not None:
+            changed["student_step"] = student_step
+        if teacher_step is not None:
+            changed["teacher_step"] = teacher_step
+        chosen = DemoModelsRecipe.for_harness(harness.value, **changed)
+    except (OSError, ValueError, ValidationError) as err:
+        err_console.print(
+            f"[red]invalid recipe[/red] {escape(str(err))}", highlight=False, soft_wrap=True
+        )
+        raise typer.Exit(code=2) from None
     out.mkdir(parents=True, exist_ok=True)
-    changed: dict[str, int] = {"seed": seed}
-    if student_step is not None:
-        changed["student_step"] = student_step
-    if teacher_step is not None:
-        changed["teacher_step"] = teacher_step
-    recipe = DemoModelsRecipe.for_harness(harness.value, **changed)
-    build_demo_models(out, recipe, log=lambda line: console.print(line, highlight=False))
+    try:
+        build_demo_models(out, chosen, log=lambda line: console.print(line, highlight=False))
+    except DemoModelsError as err:
+        err_console.print(f"[red]build failed[/red] {escape(str(err))}", highlight=False)
+        raise typer.Exit(code=1) from None
 
 
 def main() -> None:
