@@ -165,7 +165,7 @@ def test_bundled_swe_models_resolve_and_share_a_tokenizer(tmp_path: Path) -> Non
     with pytest.raises(ModelRefError, match="bundled:swe-student"):
         resolve_model("bundled:swe-nope", tmp_path, 0)
     recipe = json.loads((student.parent / "recipe.json").read_text())["recipe"]
-    assert recipe == DemoModelsRecipe.for_harness("swe").model_dump()
+    assert DemoModelsRecipe.model_validate(recipe) == DemoModelsRecipe.for_harness("swe")
 
 
 @pytest.mark.timeout(600)

@@ -169,7 +169,10 @@ def selection_tasks(harness: str, count: int) -> list[Task]:
     else:
         pool = make_tasks(2 * count, "heldout", seed=seed)
     test = {task.prompt for task in heldout_tasks(DEMO_DEFAULTS[harness]["n_heldout"], harness)}
-    return [task for task in pool if task.prompt not in test][:count]
+    chosen = [task for task in pool if task.prompt not in test][:count]
+    if len(chosen) < count:
+        raise DemoModelsError(f"only {len(chosen)} selection tasks are not test tasks")
+    return chosen
 
 
 class StudentSelection:
