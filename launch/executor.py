@@ -51,6 +51,27 @@ FORGET_SSH = "unset SSH_CLIENT SSH2_CLIENT"
 (Ray starts each worker through one) takes itself for an ssh session and reads ~/.bashrc,
 and a ~/.bashrc that activates an environment (pyenv, conda) puts its python3 before the
 one `ray start` ran with: the Ray job then runs without this package."""
+LEFT_GRACE_S = 10
+"""How long a stopped daemon's descendants get to exit after it before SIGKILL."""
+STOP_TREE = (
+    # "PID START" of each descendant of $pid, from one `ps` (procps', as on any Linux node)
+    'kids=$(ps -e -o pid= -o ppid= -o lstart= | awk -v root="$pid" '
+    '\'{ up[$1] = $2; at[$1] = $3 " " $4 " " $5 " " $6 " " $7 } END { for (k in up) '
+    "{ q = up[k]; while (q in up && q != root) q = up[q]; if (q == root) print k, at[k] } }'); "
+    # those of them still the same process (pid and start) and not a zombie
+    'alive() { ps -e -o pid= -o stat= -o lstart= | KIDS="$kids" awk '
+    '\'function at(f, i) { return f[i] " " f[i+1] " " f[i+2] " " f[i+3] " " f[i+4] } '
+    'BEGIN { n = split(ENVIRON["KIDS"], line, "\\n"); for (i = 1; i <= n; i++) '
+    'if (split(line[i], a, " ") == 6) want[a[1] " " at(a, 2)] = 1 } '
+    '{ split($0, b, " "); key = b[1] " " at(b, 3) } '
+    "b[2] !~ /^Z/ && key in want { print b[1] }'; }; "
+    'kill -TERM "$pid"; '
+    f'for i in $(seq {STOP_GRACE_S * 5}); do kill -0 "$pid" 2>/dev/null || break; '
+    'sleep 0.2; done; kill -KILL "$pid" 2>/dev/null; '
+    f'for i in $(seq {LEFT_GRACE_S * 2}); do [ -z "$(alive)" ] && break; sleep 0.5; done; '
+    'for k in $(alive); do kill -KILL "$k" 2>/dev/null; done; rm -f "$f"; exit 0'
+)
+"""The stop of a daemon whose pid file is still its own (`_pid_script`'s `then`)."""
 GONE = 3
 """The exit status of the remote pid-file scripts when the process is not (any longer) the
 one started."""
@@ -154,19 +175,17 @@ class Executor:
 
     def _stop_one(self, step: Step) -> subprocess.CompletedProcess[str] | Exception:
         """SIGTERM to the daemon's process if it is still the one started, up to
-        STOP_GRACE_S for it to exit (checked 5 times a second), then SIGKILL."""
-        script = self._pid_script(
-            step,
-            'kill -TERM "$pid"; '
-            f'for i in $(seq {STOP_GRACE_S * 5}); do kill -0 "$pid" 2>/dev/null || break; '
-            'sleep 0.2; done; kill -KILL "$pid" 2>/dev/null; rm -f "$f"; exit 0',
-        )
+        STOP_GRACE_S for it to exit (checked 5 times a second), then SIGKILL; then the
+        processes it had started (its descendants when it was signalled, each still the
+        same process) get up to LEFT_GRACE_S to follow it before SIGKILL: Ray's agents
+        outlive a `ray start --block` that a loaded node's shutdown made us kill."""
+        script = self._pid_script(step, STOP_TREE)
         try:
             return subprocess.run(
                 self.command_for(step.host, script),
                 capture_output=True,
                 text=True,
-                timeout=STOP_GRACE_S + 60,
+                timeout=STOP_GRACE_S + LEFT_GRACE_S + 60,
                 check=False,
             )
         except (subprocess.TimeoutExpired, OSError) as err:

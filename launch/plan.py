@@ -806,9 +806,11 @@ def train_args(job: JobConfig, hooks_yaml: str) -> list[str]:
     return args + list(cluster.extra_train_args)
 
 
-RAY_JOIN_RESTARTS = 2
+RAY_JOIN_RESTARTS = 3
 """How often a node's `ray start --address` that ends before the job starts is run again
-(the head's is not: the nodes joined to it would be lost with it)."""
+(the head's is not: the nodes joined to it would be lost with it). Ray gives a node 30 s
+to register (not configurable): on a loaded machine a start timed out twice and joined on
+its third try."""
 
 
 def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:

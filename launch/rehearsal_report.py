@@ -75,7 +75,12 @@ def components(rehearsal: Rehearsal, outcome: Outcome) -> list[Component]:
             if names.get(host, host) != host:
                 where += f" (here {host})"
             seconds = sum(outcome.step_seconds.get(outcome.steps[n - 1].name, 0) for n in numbers)
-            listed.append(Component(name, UP, f"{seconds:.1f} s{where}"))
+            why = f"{seconds:.1f} s{where}"
+            for step_name in step_names(numbers):
+                if reasons := outcome.restarted.get(step_name):
+                    times = f"{len(reasons)} time{'s' * (len(reasons) > 1)}"
+                    why += f"; started again {times} (it had ended: {reasons[-1]})"
+            listed.append(Component(name, UP, why))
     return listed
 
 

@@ -23,7 +23,10 @@ from launch.rehearsal import Rehearsal, place_here, port_problems, wanted_ports
 STEP_LINE = re.compile(r"^\[(\d+)/(\d+)\] ")
 PERF_LINE = re.compile(r"perf (\d+): (\{.*\})")
 TRAIN_LINE = re.compile(r"step (\d+): (\{.*\})")
-LOST_LINE = re.compile(r"^    the daemon '([^']+)' on \S+ ended")
+LOST_LINE = re.compile(r"^    the daemon '([^']+)' on \S+ ended .*; the job goes on without it$")
+RESTART_LINE = re.compile(
+    r"^    the daemon '([^']+)' on \S+ ended before the job started \((.*)\); starting it again"
+)
 RAY_TOKEN = Path.home() / ".ray/auth_token"
 
 
@@ -84,7 +87,21 @@ class Outcome:
     step_seconds: dict[str, float] = field(default_factory=dict)
     lost: dict[str, str] = field(default_factory=dict)
     """A daemon the job went on without (a sandbox host) -> the launch's line about it."""
+    restarted: dict[str, list[str]] = field(default_factory=dict)
+    """A daemon started again before the job (a node's `ray start` that timed out on a
+    loaded node) -> why it had ended, each time: up, if it then stayed up."""
     job_output: str = ""
+
+    def read(self, line: str, seconds: dict[str, float]) -> None:
+        """Take in one line of the launch's report (`seconds`: each step's time, so far)."""
+        if STEP_LINE.match(line):
+            self.reached += 1
+        elif lost := LOST_LINE.match(line):
+            self.lost[lost[1]] = line.strip()
+        elif again := RESTART_LINE.match(line):
+            self.restarted.setdefault(again[1], []).append(again[2])
+        elif line.startswith("    done in ") and self.reached:
+            seconds[self.steps[self.reached - 1].name] = float(line.split()[2])
 
     @functools.cached_property
     def job(self) -> JobOutput:
@@ -110,15 +127,9 @@ def run(rehearsal: Rehearsal, report: Callable[[str], None], timeout_s: float = 
 
     def follow(line: str) -> None:
         report(line)
-        if STEP_LINE.match(line):
-            outcome.reached += 1
-            if steps[outcome.reached - 1].name == "submit":
-                report(f"    the job's output: {rehearsal.log_dir / 'submit.log'}")
-        elif lost := LOST_LINE.match(line):
-            outcome.lost[lost[1]] = line.strip()
-        elif line.startswith("    done in ") and outcome.reached:
-            name = steps[outcome.reached - 1].name
-            started[name] = float(line.split()[2])
+        outcome.read(line, started)
+        if STEP_LINE.match(line) and steps[outcome.reached - 1].name == "submit":
+            report(f"    the job's output: {rehearsal.log_dir / 'submit.log'}")
 
     executor = Executor(
         rehearsal.job, report=follow, step_timeout_s=timeout_s, wait_timeout_s=300, watch_s=5

@@ -39,6 +39,7 @@ from launch.plan import (
     render_sbatch,
     secret_names,
 )
+from launch.rehearsal_run import Outcome
 from slime_ext.job.config import ConfigError, config_from_dict, load_config, read_config_data
 from slime_ext.job.slime_flags import given_flags
 from teacher_server.cli import app as teacher_cli
@@ -1020,6 +1021,9 @@ def _fake_cluster(
         '#!/bin/bash\necho "ray $*" >> "$TRACE"\n'
         'if [ -n "$FAIL_ON" ] && [[ "$*" == *"$FAIL_ON"* ]]; then\n'
         '  echo "ray: could not reach the head node" >&2; exit 3\nfi\n'
+        # a node's Ray runs until stopped, as `ray start --block` does (one that ended would
+        # fail the launch at the daemons' next check, on a loaded machine before the end)
+        'if [[ " $* " == *" --block "* ]]; then exec sleep 600; fi\n'
     )
     (bin_dir / "torchrun").write_text('#!/bin/bash\necho "torchrun $*" >> "$TRACE"\n')
     # the plan's Ray waits are recorded, not run (the fake ray starts no cluster)
@@ -1404,6 +1408,40 @@ def test_launch_stops_its_daemons_on_failure_and_an_earlier_launchs_before_start
 
 
 @pytest.mark.timeout(120)
+def test_what_a_stopped_daemon_started_and_left_is_stopped_after_it(tmp_path: Path) -> None:
+    """A daemon's descendants that outlive its exit (Ray's agents after `ray start --block`
+    was killed on a loaded node) are killed a few seconds later; a process of the same
+    host that the daemon did not start is left alone."""
+    token = random.randrange(10**6, 10**7)
+    job = config_from_dict(
+        {
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+            "cluster": {"executor": "local", "remote_shell": ["bash", "-c"]},
+        }
+    )
+    body = (  # a child, a grandchild in its own session, and a TERM that leaves them
+        f"sleep {token}1 & setsid bash -c 'sleep {token}2; :' & "
+        "trap 'exit 0' TERM; while true; do sleep 0.1; done"
+    )
+    daemon = Step("node", "localhost", "bash -c " + shlex.quote(body), "background")
+    bystander = subprocess.Popen(["sleep", f"{token}3"])
+    executor = Executor(job, report=lambda line: None)
+    try:
+        executor.run([daemon, Step("job", "localhost", "true")])
+        deadline = time.monotonic() + 30
+        while len(_daemons_of(f"^sleep {token}")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_daemons_of(f"^sleep {token}")) == 3  # both of the daemon's and ours
+        assert executor.stop([daemon]) == ["node @ localhost"]
+        assert _daemons_of(f"^sleep {token}") == [str(bystander.pid)]
+    finally:
+        bystander.kill()
+        bystander.wait()
+        for pid in _daemons_of(str(token)):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
 def test_daemons_are_stopped_all_at_once(tmp_path: Path) -> None:
     """Every daemon gets its SIGTERM before any has exited (one at a time, a teardown took
     the sum of the nodes' shutdowns); the report names them last started first."""
@@ -1455,13 +1493,18 @@ def test_a_daemon_the_job_goes_on_without_is_reported_once_and_the_step_goes_on(
     lines: list[str] = []
     executor = Executor(job, report=lines.append, watch_s=1.0)
     host = Step("sandbox host 0", "localhost", f"sleep 2.{token}", "background", needed=False)
+    steps = [host, Step("train", "localhost", "sleep 6")]
     try:
-        executor.run([host, Step("train", "localhost", "sleep 6")], until_done=True)
+        executor.run(steps, until_done=True)
     finally:
         for pid in _daemons_of(str(token)):
             os.kill(int(pid), signal.SIGKILL)
     ended = [line for line in lines if "'sandbox host 0' on localhost ended" in line]
     assert len(ended) == 1 and "the job goes on without it" in ended[0], lines
+    outcome = Outcome(steps)  # the rehearsal's report reads these lines: that host down
+    for line in lines:
+        outcome.read(line, {})
+    assert list(outcome.lost) == ["sandbox host 0"] and outcome.restarted == {}
     assert "sandbox-host-0.log" in ended[0]
     assert lines.index(ended[0]) < lines.index("the job ended: stopping its daemons")
 
@@ -1493,12 +1536,16 @@ def test_a_daemon_that_ends_before_the_job_is_started_again_with_the_reason(
     executor = Executor(job, report=lines.append, watch_s=0.5)
     try:
         worker = Step("ray worker 1", "localhost", flaky, "background", restarts=1)
-        executor.run(
-            [worker, Step("wait", "localhost", wait_joined), Step("job", "localhost", "true")]
-        )
+        steps = [worker, Step("wait", "localhost", wait_joined), Step("job", "localhost", "true")]
+        executor.run(steps)
         again = [line for line in lines if "ended before the job started" in line]
         assert len(again) == 1 and "timed out waiting for the GCS" in again[0], lines
         assert "starting it again (1 of 1" in again[0]
+        outcome = Outcome(steps)  # the rehearsal's report: up, after one start again
+        for line in lines:
+            outcome.read(line, {})
+        assert outcome.lost == {}
+        assert outcome.restarted == {"ray worker 1": ["ray start: timed out waiting for the GCS"]}
         first_log = tmp_path / "run/logs/ray-worker-1.log.1"
         assert "timed out" in first_log.read_text()
         assert len(_daemons_of(f"sleep 300.{token}")) == 1

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from launch.plan import render_sbatch, wandb_run_id
+from launch.plan import RAY_JOIN_RESTARTS, render_sbatch, wandb_run_id
 from slime_ext.job.config import config_from_dict
 from tests.launch_real_job import RAY_CPUS, assert_trained, merged, real_train_settings
 from tests.launch_standins import (
@@ -282,7 +282,7 @@ def test_killing_the_teacher_mid_run_stops_the_job_and_leaves_nothing(
         # why it ended (its log's last lines: srun adds its own, before or after), then
         # the restart
         ended = "daemon ray-worker-1 ended before the job started ("
-        again = f"starting it again (1 of 2; its log: {logs}/ray-worker-1.log.1)"
+        again = f"starting it again (1 of {RAY_JOIN_RESTARTS}; its log: {logs}/ray-worker-1.log.1)"
         said = f"{re.escape(ended)}[^\n]*join refused once[^\n]*\\); {re.escape(again)}"
         assert re.search(said, log), log[-3000:]
         assert "join refused once" in (logs / "ray-worker-1.log.1").read_text().splitlines()

@@ -205,6 +205,24 @@ def test_failed_hints_are_their_component_down(rehearsal: Rehearsal) -> None:
     assert listed["training"].state == UP
 
 
+def test_a_node_started_again_before_the_job_is_up_and_one_lost_is_down(
+    rehearsal: Rehearsal,
+) -> None:
+    """A sandbox host whose `ray start` timed out twice (a loaded node) and then joined is
+    up, saying so; one that ended while the job ran is down."""
+    outcome = _outcome(rehearsal, output=OUTPUT)
+    timed_out = "Exception: The current node timed out during startup."
+    outcome.restarted["sandbox host 1"] = [timed_out, timed_out]
+    listed = {c.name: c for c in components(rehearsal, outcome)}
+    host = listed["sandbox host cpu-node-1"]
+    assert host.state == UP, host
+    assert host.why.endswith(f"; started again 2 times (it had ended: {timed_out})"), host
+    assert "started again" not in listed["sandbox host cpu-node-0"].why
+    outcome.lost["sandbox host 1"] = "the daemon 'sandbox host 1' ended"
+    listed = {c.name: c for c in components(rehearsal, outcome)}
+    assert listed["sandbox host cpu-node-1"].state == DOWN
+
+
 def test_a_failed_step_is_its_component_down_and_the_later_ones_not_reached(
     rehearsal: Rehearsal,
 ) -> None:
