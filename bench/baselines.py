@@ -258,17 +258,10 @@ def test_tasks(scale: Scale, harness: str = "tir") -> list[Task]:
 
 def validation_tasks(scale: Scale, harness: str = "tir") -> list[Task]:
     """Held-out problems drawn with another seed, none with a test problem's statement."""
-    from rollout.tasks import mini_swe
-    from rollout.tasks.arithmetic import make_tasks
+    from slime_ext.local.evaluate import tasks_apart_from_test
 
-    test = {task.prompt for task in test_tasks(scale, harness)}
-    if harness == "swe":
-        pool = mini_swe.generate_tasks(scale.n_val + scale.n_test, seed=SWE_VALIDATION_SEED)
-    else:
-        pool = make_tasks(scale.n_val + scale.n_test, "heldout", seed=2)
-    chosen = [task for task in pool if task.prompt not in test][: scale.n_val]
-    assert len(chosen) == scale.n_val and not test & {t.prompt for t in chosen}
-    return chosen
+    seed = SWE_VALIDATION_SEED if harness == "swe" else 2
+    return tasks_apart_from_test(harness, scale.n_val, seed, scale.n_test)
 
 
 def train_tasks(harness: str, seed: int, count: int | None = None) -> list[Task]:

@@ -41,7 +41,7 @@ from rollout.harness.tir import TIRHarness
 from rollout.tasks import mini_swe
 from rollout.tasks.arithmetic import make_tasks, trace_messages
 from rollout.trajectory import MaskTier, Task, Trajectory
-from slime_ext.local.evaluate import evaluate, heldout_tasks
+from slime_ext.local.evaluate import evaluate, tasks_apart_from_test
 from slime_ext.local.opd_demo import DEMO_DEFAULTS, demo_job, heldout_scores
 from slime_ext.local.trainer import LocalTrainer, TrainerConfig
 from slime_ext.models.factory import build_model, build_tokenizer
@@ -163,16 +163,11 @@ class DemoModelsError(RuntimeError):
 
 def selection_tasks(harness: str, count: int) -> list[Task]:
     """`count` tasks drawn with the selection seed, none with a held-out test statement."""
-    seed = SELECTION_SEEDS[harness]
-    if harness == "swe":
-        pool = mini_swe.generate_tasks(2 * count, seed=seed)
-    else:
-        pool = make_tasks(2 * count, "heldout", seed=seed)
-    test = {task.prompt for task in heldout_tasks(DEMO_DEFAULTS[harness]["n_heldout"], harness)}
-    chosen = [task for task in pool if task.prompt not in test][:count]
-    if len(chosen) < count:
-        raise DemoModelsError(f"only {len(chosen)} selection tasks are not test tasks")
-    return chosen
+    n_test = DEMO_DEFAULTS[harness]["n_heldout"]
+    try:
+        return tasks_apart_from_test(harness, count, SELECTION_SEEDS[harness], n_test)
+    except ValueError as err:
+        raise DemoModelsError(f"too few selection tasks: {err}") from None
 
 
 class StudentSelection:

@@ -32,6 +32,21 @@ def heldout_tasks(count: int, harness: str = "tir") -> list[Task]:
     return make_tasks(count, "heldout", seed=HELDOUT_SEED)
 
 
+def tasks_apart_from_test(harness: str, count: int, seed: int, n_test: int) -> list[Task]:
+    """`count` held-out kind tasks drawn with `seed` (in order: the first ones of a larger
+    draw), none with the statement of one of the first `n_test` held-out test tasks
+    (`heldout_tasks`); ValueError when fewer than `count` are left."""
+    test = {task.prompt for task in heldout_tasks(n_test, harness)}
+    if harness == "swe":
+        pool = mini_swe.generate_tasks(count + n_test, seed=seed)
+    else:
+        pool = make_tasks(count + n_test, "heldout", seed=seed)
+    chosen = [task for task in pool if task.prompt not in test][:count]
+    if len(chosen) < count:
+        raise ValueError(f"only {len(chosen)} of {count} tasks of seed {seed} are not test tasks")
+    return chosen
+
+
 async def evaluate(
     policy: Policy,
     tokenizer: Any,
