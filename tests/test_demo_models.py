@@ -141,7 +141,8 @@ def test_the_student_is_the_first_snapshot_at_its_target_and_scoring_stops_there
         "solved": {"2": 0.1, "4": 0.3, "6": 0.8},
         "student_step": 4,
     }
-    assert len(scored) == 3  # steps 2 and 4, then the teacher only
+    # steps 2 and 4 written to be scored, then the teacher only, scored where it was saved
+    assert scored == [tmp_path / "snapshot"] * 2 + [tmp_path / "teacher"]
     assert weights(tmp_path, "student") == weights(twin, "student")  # the fixed step 4's
     assert weights(tmp_path, "teacher") == weights(twin, "teacher")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -150,6 +151,17 @@ def test_the_student_is_the_first_snapshot_at_its_target_and_scoring_stops_there
         "teacher",
         "twin",
     ]
+
+
+def test_a_step_already_saved_is_scored_where_it_is_and_copied_as_the_student(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scored = scripted_scores(monkeypatch, [0.1, 0.3, 0.8])
+    build_demo_models(tmp_path, DemoModelsRecipe(**RULE, snapshot_every=2), log=lambda _: None)
+    assert scored == [tmp_path / "step_2", tmp_path / "step_4", tmp_path / "teacher"]
+    assert weights(tmp_path, "student") == weights(tmp_path, "step_4")
+    assert (tmp_path / "step_2/model.safetensors").exists()
+    assert not (tmp_path / "snapshot").exists()
 
 
 @pytest.mark.parametrize(

@@ -186,20 +186,34 @@ class StudentSelection:
             shutil.rmtree(out_dir / "student")
             log(f"removed {out_dir / 'student'} of an earlier build")
 
-    def score(self, model: Any, tokenizer: Any, step: int, candidate: bool = True) -> float:
+    def score(
+        self,
+        model: Any,
+        tokenizer: Any,
+        step: int,
+        candidate: bool = True,
+        saved: Path | None = None,
+    ) -> float:
         """The share of the selection tasks the model solves at `step`; a `candidate` (a
-        step before the teacher's) that reaches the target becomes the student."""
-        snapshot = self.out_dir / "snapshot"
-        model.save_pretrained(snapshot)
-        tokenizer.save_pretrained(snapshot)
-        solved = statistics.fmean(asyncio.run(heldout_scores(snapshot, self.tasks, self.job)))
+        step before the teacher's) that reaches the target becomes the student. `saved`:
+        where this step's weights already are (teacher/, a step_N snapshot), scored there
+        instead of written again."""
+        where = saved or self.out_dir / "snapshot"
+        if saved is None:
+            model.save_pretrained(where)
+            tokenizer.save_pretrained(where)
+        solved = statistics.fmean(asyncio.run(heldout_scores(where, self.tasks, self.job)))
         self.solved[step] = solved
         self.log(f"step {step}: solves {solved:.1%} of {len(self.tasks)} selection tasks")
         if candidate and self.student_step is None and solved >= self.recipe.student_solves:
             self.student_step = step
-            snapshot.rename(self.out_dir / "student")
+            if saved is None:
+                where.rename(self.out_dir / "student")
+            else:
+                shutil.copytree(where, self.out_dir / "student")
             self.log(f"saved student at step {step}")
-        shutil.rmtree(snapshot, ignore_errors=True)
+        if saved is None:
+            shutil.rmtree(where, ignore_errors=True)
         return solved
 
     def record(self) -> dict[str, Any]:
@@ -270,7 +284,8 @@ def build_demo_models(
             step == recipe.teacher_step
             or (selection.student_step is None and step % recipe.select_every == 0)
         ):
-            selection.score(model, tokenizer, step, candidate=step < recipe.teacher_step)
+            saved = out_dir / names[-1] if names else None
+            selection.score(model, tokenizer, step, step < recipe.teacher_step, saved)
     summary: dict[str, Any] = {
         "recipe": recipe.model_dump(),
         "history": history,
