@@ -92,8 +92,8 @@ class Outcome:
     loaded node) -> why it had ended, each time: up, if it then stayed up."""
     job_output: str = ""
 
-    def read(self, line: str, seconds: dict[str, float]) -> None:
-        """Take in one line of the launch's report (`seconds`: each step's time, so far)."""
+    def read(self, line: str) -> None:
+        """Take in one line of the launch's report."""
         if STEP_LINE.match(line):
             self.reached += 1
         elif lost := LOST_LINE.match(line):
@@ -101,7 +101,7 @@ class Outcome:
         elif again := RESTART_LINE.match(line):
             self.restarted.setdefault(again[1], []).append(again[2])
         elif line.startswith("    done in ") and self.reached:
-            seconds[self.steps[self.reached - 1].name] = float(line.split()[2])
+            self.step_seconds[self.steps[self.reached - 1].name] = float(line.split()[2])
 
     @functools.cached_property
     def job(self) -> JobOutput:
@@ -123,11 +123,10 @@ def run(rehearsal: Rehearsal, report: Callable[[str], None], timeout_s: float = 
         outcome.refused = node_problems(rehearsal, outcome.checked)
     if outcome.refused:
         return outcome
-    started: dict[str, float] = {}
 
     def follow(line: str) -> None:
         report(line)
-        outcome.read(line, started)
+        outcome.read(line)
         if STEP_LINE.match(line) and steps[outcome.reached - 1].name == "submit":
             report(f"    the job's output: {rehearsal.log_dir / 'submit.log'}")
 
@@ -141,7 +140,6 @@ def run(rehearsal: Rehearsal, report: Callable[[str], None], timeout_s: float = 
             outcome.error = str(err)
         finally:
             shutil.rmtree(f"/tmp/opd-rh-{os.getpid()}", ignore_errors=True)
-    outcome.step_seconds = started
     submit = rehearsal.log_dir / f"{slug('submit')}.log"
     if submit.is_file():
         outcome.job_output = submit.read_text(errors="replace")

@@ -1503,7 +1503,7 @@ def test_a_daemon_the_job_goes_on_without_is_reported_once_and_the_step_goes_on(
     assert len(ended) == 1 and "the job goes on without it" in ended[0], lines
     outcome = Outcome(steps)  # the rehearsal's report reads these lines: that host down
     for line in lines:
-        outcome.read(line, {})
+        outcome.read(line)
     assert list(outcome.lost) == ["sandbox host 0"] and outcome.restarted == {}
     assert "sandbox-host-0.log" in ended[0]
     assert lines.index(ended[0]) < lines.index("the job ended: stopping its daemons")
@@ -1543,7 +1543,7 @@ def test_a_daemon_that_ends_before_the_job_is_started_again_with_the_reason(
         assert "starting it again (1 of 1" in again[0]
         outcome = Outcome(steps)  # the rehearsal's report: up, after one start again
         for line in lines:
-            outcome.read(line, {})
+            outcome.read(line)
         assert outcome.lost == {}
         assert outcome.restarted == {"ray worker 1": ["ray start: timed out waiting for the GCS"]}
         first_log = tmp_path / "run/logs/ray-worker-1.log.1"
