@@ -1015,7 +1015,11 @@ def _fake_cluster(
     bin_dir.mkdir()
     trace = tmp_path / "trace.log"
     (bin_dir / "fake-ssh").write_text(
-        '#!/bin/bash\nhost="$1"; shift\necho "HOST $host" >> "$TRACE"\nexec bash -c "$*"\n'
+        # a daemon's liveness check (the executor's, every WATCH_S while a step runs: on a
+        # loaded machine any number of them) is traced apart from the plan's own calls
+        '#!/bin/bash\nhost="$1"; shift\nkind=HOST\n'
+        'if [[ "$*" == *"then exit 0; fi"* ]]; then kind=CHECK; fi\n'
+        'echo "$kind $host" >> "$TRACE"\nexec bash -c "$*"\n'
     )
     (bin_dir / "ray").write_text(
         '#!/bin/bash\necho "ray $*" >> "$TRACE"\n'
@@ -1097,7 +1101,8 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
     job, trace = _fake_cluster(tmp_path, factory_dir, monkeypatch)
     steps = build_plan(job, hosts_from_config(job))
     lines: list[str] = []
-    executor = Executor(job, report=lines.append, wait_timeout_s=180)
+    # checks every 2 s (not WATCH_S): they happen on any machine, and must not disturb the order
+    executor = Executor(job, report=lines.append, wait_timeout_s=180, watch_s=2.0)
     try:
         executor.run(steps)
         log = trace.read_text().splitlines()
@@ -1106,6 +1111,8 @@ def test_launch_runs_the_plan_in_order_on_a_fake_cluster(
         _stop_teacher(job.teacher.port)
     hosts = [line.removeprefix("HOST ") for line in log if line.startswith("HOST ")]
     daemons = [s.host for s in steps if s.kind == "background"]
+    checked = {line.removeprefix("CHECK ") for line in log if line.startswith("CHECK ")}
+    assert checked and checked <= set(daemons)
     # an earlier launch's leftovers, checked (all at once: in any order)
     assert sorted(hosts[: len(daemons)]) == sorted(daemons)
     started = hosts[len(daemons) :]
