@@ -813,6 +813,20 @@ to register (not configurable): on a loaded machine a start timed out twice and 
 its third try."""
 
 
+RAY_START = "env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 ray start --block"
+"""How every node's Ray starts: a daemon that lives as long as its step, its processes
+stopped at once on SIGTERM. Ray (2.60 here) otherwise drains a node on SIGTERM for up to
+30 s, waiting for its leases to come back: a head whose job still runs never gets them
+back, so every stop of a failed launch waited the 30 s out, and under Slurm (KillWait)
+or past the executor's grace the SIGKILL landed mid-shutdown. The launch stops a node only
+once its job is over or failed: there is nothing to drain for."""
+
+
+def is_ray_start(command: str) -> bool:
+    """Whether a step's command starts a node's Ray (`RAY_START`)."""
+    return command.startswith(RAY_START)
+
+
 def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
     """Ray on every node, each `ray start --block` as a daemon step (it lives as long as
     the step, and its processes end with it), the head waited for before the others join
@@ -825,7 +839,7 @@ def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
         Step(
             "ray head",
             hosts.head,
-            f"ray start --block --head --node-ip-address {hosts.head} --port {cluster.ray_port} "
+            f"{RAY_START} --head --node-ip-address {hosts.head} --port {cluster.ray_port} "
             f"--num-gpus {gpus} --disable-usage-stats --dashboard-host 0.0.0.0 "
             f"--dashboard-port {cluster.dashboard_port}{extra}",
             "background",
@@ -838,7 +852,7 @@ def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
             Step(
                 f"ray worker {index}",
                 worker,
-                f"ray start --block --address {address} --node-ip-address {worker} "
+                f"{RAY_START} --address {address} --node-ip-address {worker} "
                 f"--num-gpus {gpus} --disable-usage-stats{extra}",
                 "background",
                 gpus=gpus > 0,
@@ -854,7 +868,7 @@ def _ray_steps(job: JobConfig, hosts: Hosts) -> list[Step]:
                 # no CPUs for Ray, whatever ray_start_args say (the last value counts):
                 # slime's RolloutManager (1 CPU, no placement group) and other CPU actors
                 # stay on training nodes; the fleet's host actors ask for none
-                f"ray start --block --address {address} --node-ip-address {host} --num-gpus 0 "
+                f"{RAY_START} --address {address} --node-ip-address {host} --num-gpus 0 "
                 f"--resources {resources} --disable-usage-stats{extra} --num-cpus 0",
                 "background",
                 note="the job goes on if this host is lost: the trajectories in its sandboxes "

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from launch.plan import Hosts, Step, hosts_from_config
+from launch.plan import Hosts, Step, hosts_from_config, is_ray_start
 from slime_ext.cpu_runtime import ENV_FLAG
 from slime_ext.job.config import RECIPES_WITH_TEACHER, JobConfig, config_from_dict
 from slime_ext.job.sequence_layout import resolve as resolve_layout
@@ -262,7 +262,7 @@ def place_here(steps: list[Step], rehearsal: Rehearsal) -> list[Step]:
     base = int(os.environ.get(RAY_PORTS_ENV) or random.Random().randrange(21000, 30000, 1000))
     placed = []
     for step in steps:
-        if step.command.startswith("ray start"):
+        if is_ray_start(step.command):
             index = int(step.host.rsplit(".", 1)[1]) - FIRST_ADDRESS
             port = base + index * 100
             extra = [

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import build_plan
+from launch.plan import build_plan, is_ray_start
 from launch.rehearsal import (
     RAY_PORTS_ENV,
     Rehearsal,
@@ -148,7 +148,7 @@ def test_each_ray_node_gets_its_own_temp_dir_and_ports_and_sandbox_hosts_no_cpu(
     rehearsal: Rehearsal,
 ) -> None:
     steps = _outcome(rehearsal).steps
-    starts = [s for s in steps if s.command.startswith("ray start")]
+    starts = [s for s in steps if is_ray_start(s.command)]
     assert [s.host for s in starts] == ["127.0.0.40", "127.0.0.42", "127.0.0.43"]
     temps = [re.search(r"--temp-dir=(\S+)", s.command).group(1) for s in starts]  # type: ignore[union-attr]
     ports = [re.search(r"--node-manager-port=(\d+)", s.command).group(1) for s in starts]  # type: ignore[union-attr]
