@@ -23,9 +23,15 @@ from slime.utils import accelerator
 import megatron.training.training as training
 import megatron.core.utils as core_utils
 import slime.backends.megatron_utils.initialize as initialize
+import megatron.core.ssm.gated_delta_net as gated_delta_net
+fla_with_megatron = "fla" in sys.modules
+import fla.modules.l2norm  # slime's hybrid layers import it themselves: still there
 import torch
 linear = torch.nn.Linear(2, 2)
 print(json.dumps({
+    "fla_with_megatron": fla_with_megatron,
+    "megatron_has_fla": gated_delta_net.HAVE_FLA,
+    "fla_later": fla.modules.l2norm.l2norm.__module__,
     "started": started,
     "accelerator": accelerator.get_accelerator().name,
     "backend": accelerator.process_group_backend("nccl"),
@@ -59,6 +65,22 @@ def test_a_process_started_with_the_runtime_env_runs_slime_and_megatron_on_the_c
     assert seen["numpy_seen_by_slime"] == "1.26.4"
     assert seen["cuda_to_cpu_kept"] and seen["buffer_device"] == "cpu"
     assert seen["pinned_copy"] == "cpu"
+    # megatron-core's Gated DeltaNet loaded without flash-linear-attention (cpu_runtime.HIDDEN),
+    # which a later import still finds
+    assert not seen["fla_with_megatron"] and not seen["megatron_has_fla"]
+    assert seen["fla_later"].startswith("fla.")
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_loaded_fla_first_keeps_it_for_megatron() -> None:
+    env = os.environ | runtime_env_vars()
+    probe = "import fla.modules.l2norm, megatron.core.ssm.gated_delta_net as g; print(g.HAVE_FLA)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=110,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
 
 
 @pytest.mark.timeout(120)

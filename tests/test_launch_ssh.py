@@ -131,7 +131,7 @@ def student(unpadded_student: Student) -> Student:
     return unpadded_student
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_the_ssh_launch_follows_the_job_survives_a_killed_teacher_and_leaves_nothing(
     tmp_path: Path, factory_dir: Path, student: Student
 ) -> None:
@@ -149,7 +149,8 @@ def test_the_ssh_launch_follows_the_job_survives_a_killed_teacher_and_leaves_not
             # 1. the teacher dies while the job trains: the launch fails and tears down
             (run / "hold").write_text("")
             launch = _launch(config)
-            deadline = time.monotonic() + 240
+            # on a loaded machine a node's Ray may take a minute and a restart to join
+            deadline = time.monotonic() + 360
             while not (run / "holding").exists():
                 assert launch.poll() is None, launch.communicate()[0][-4000:]
                 assert time.monotonic() < deadline, "the stand-in never started training"

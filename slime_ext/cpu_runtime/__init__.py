@@ -22,7 +22,9 @@ post-import hooks, so a process that never imports slime or Megatron pays nothin
   (`sites.RELOADABLE_GROUP_SITE`);
 - flash-linear-attention's gating norm (a Triton kernel in slime's hybrid layers) in
   torch (`redirects.gated_norm_in_torch`); their mixing runs slime_ext.gated_delta's
-  torch reference on the CPU already.
+  torch reference on the CPU already;
+- megatron-core's own Gated DeltaNet loaded without flash-linear-attention (`HIDDEN`),
+  which nothing here uses, and which cost a quarter of a Megatron process's start.
 The hooks themselves are in `redirects`, imported only when a site loads.
 
 What slime and Megatron-LM offer as settings is used instead of a redirect where one
@@ -81,36 +83,60 @@ def runtime_env_vars(pythonpath: str | None = None) -> dict[str, str]:
     }
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a hook right after one of the named modules has executed."""
+HIDDEN = {"megatron.core.ssm.gated_delta_net": "fla"}
+"""A package hidden while a module executes (its import fails there, as where it is not
+installed): megatron-core's Gated DeltaNet imports flash-linear-attention, about a
+quarter of a Megatron process's start here (fla's Triton kernels pull transformers'
+Qwen3.5 model and scipy), for kernels nothing on the CPU reaches through it: slime's
+hybrid layers import fla themselves and mix with slime_ext.gated_delta. That module
+records HAVE_FLA False; a process that imported fla before keeps it
+(bench/cpu_runtime_start.py measures the start)."""
 
-    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]]) -> None:
-        self.hooks = hooks
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a hook right after one of the named modules has executed; hides a package
+    while one of `hidden` executes."""
+
+    def __init__(
+        self, hooks: dict[str, Callable[[ModuleType], None]], hidden: dict[str, str]
+    ) -> None:
+        self.hooks, self.hidden = hooks, hidden
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        hook = self.hooks.get(fullname)
-        if hook is None:
+        if fullname not in self.hooks and fullname not in self.hidden:
             return None
         for finder in sys.meta_path:
             if finder is self:
                 continue
             spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _HookedLoader(spec.loader, hook)
+                spec.loader = _HookedLoader(
+                    spec.loader, self.hooks.get(fullname), self.hidden.get(fullname)
+                )
                 return spec
         return None
 
 
 class _HookedLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, hook: Callable[[ModuleType], None]) -> None:
-        self.loader, self.hook = loader, hook
+    def __init__(
+        self, loader: Any, hook: Callable[[ModuleType], None] | None, hidden: str | None
+    ) -> None:
+        self.loader, self.hook, self.hidden = loader, hook, hidden
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        self.hook(module)
+        hide = self.hidden is not None and self.hidden not in sys.modules
+        if hide:
+            sys.modules[str(self.hidden)] = None  # type: ignore[assignment]
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if hide and sys.modules.get(str(self.hidden), module) is None:
+                del sys.modules[str(self.hidden)]
+        if self.hook is not None:
+            self.hook(module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -162,4 +188,4 @@ def install() -> None:
     for name, hook in hooks.items():
         if name in sys.modules:
             hook(sys.modules[name])
-    sys.meta_path.insert(0, _AfterImport(hooks))
+    sys.meta_path.insert(0, _AfterImport(hooks, HIDDEN))
