@@ -71,25 +71,24 @@ def test_a_process_started_with_the_runtime_env_runs_slime_and_megatron_on_the_c
     assert seen["fla_later"].startswith("fla.")
 
 
-@pytest.mark.timeout(120)
-def test_a_process_that_loaded_fla_first_keeps_it_for_megatron() -> None:
-    env = os.environ | runtime_env_vars()
-    probe = "import fla.modules.l2norm, megatron.core.ssm.gated_delta_net as g; print(g.HAVE_FLA)"
+def _printed(probe: str, env: dict[str, str]) -> str:
+    """The last line `probe` prints in a fresh interpreter with `env`."""
     done = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=110,
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "True"
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_loaded_fla_first_keeps_it_for_megatron() -> None:
+    probe = "import fla.modules.l2norm, megatron.core.ssm.gated_delta_net as g; print(g.HAVE_FLA)"
+    assert _printed(probe, os.environ | runtime_env_vars()) == "True"
 
 
 @pytest.mark.timeout(120)
 def test_without_the_flag_the_same_process_is_left_alone() -> None:
     env = os.environ | runtime_env_vars() | {"OPD_CPU_RUNTIME": "0"}
     probe = "import sys, megatron.core.utils as u; print(u.torch.__name__)"
-    done = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=110,
-        check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "torch"
+    assert _printed(probe, env) == "torch"

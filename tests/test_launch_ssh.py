@@ -11,13 +11,13 @@ environment carries). The first run, killed mid-training, has a stand-in train.p
 (tests/launch_standins.py) that holds until it is killed.
 
 Checked: killing the teacher while the job trains fails the launch within the watch
-interval and its teardown leaves nothing; the relaunch on the same nodes and ports, with
-no cleanup in between, runs slime's train.py to its end and the launch returns 0: every
-rollout was scored by the teacher (with the key Ray expanded from the node's environment:
-without it every score is refused and the job stops) and trained on, the last rollout's
-checkpoint is saved, the teacher's URL is its node's, the key's value is in no file the
-launch wrote, and nothing any session started is left (Ray, its workers and actors, the
-engines, the router, the teacher).
+interval and its teardown leaves nothing (the head's Ray stops without draining); the
+relaunch on the same nodes and ports, with no cleanup in between, runs slime's train.py
+to its end and the launch returns 0: every rollout was scored by the teacher (with the
+key Ray expanded from the node's environment: without it every score is refused and the
+job stops) and trained on, the last rollout's checkpoint is saved, the teacher's URL is
+its node's, the key's value is in no file the launch wrote, and nothing any session
+started is left (Ray, its workers and actors, the engines, the router, the teacher).
 """
 
 from __future__ import annotations
@@ -167,6 +167,8 @@ def test_the_ssh_launch_follows_the_job_survives_a_killed_teacher_and_leaves_not
             assert "were stopped" in output, output[-4000:]
             assert not (run / "standin-train.json").exists()
             assert _left(nodes) == []
+            # the head, its job still running, stopped at once (plan.RAY_START): no 30 s drain
+            assert "Draining for up to" not in (run / "logs/ray-head.log").read_text()
 
             # 2. on the same nodes and ports, no cleanup, another run (its own run
             # directory: the same one would refuse its other settings) with slime's real
