@@ -24,7 +24,7 @@ post-import hooks, so a process that never imports slime or Megatron pays nothin
   torch (`redirects.gated_norm_in_torch`); their mixing runs slime_ext.gated_delta's
   torch reference on the CPU already;
 - megatron-core's own Gated DeltaNet loaded without flash-linear-attention (`HIDDEN`),
-  which nothing here uses, and which cost a quarter of a Megatron process's start.
+  which nothing here uses, and which cost about a fifth of a Megatron process's imports.
 The hooks themselves are in `redirects`, imported only when a site loads.
 
 What slime and Megatron-LM offer as settings is used instead of a redirect where one
@@ -86,7 +86,7 @@ def runtime_env_vars(pythonpath: str | None = None) -> dict[str, str]:
 HIDDEN = {"megatron.core.ssm.gated_delta_net": "fla"}
 """A package hidden while a module executes (its import fails there, as where it is not
 installed): megatron-core's Gated DeltaNet imports flash-linear-attention, about a
-quarter of a Megatron process's start here (fla's Triton kernels pull transformers'
+fifth of a Megatron process's imports here (fla's Triton kernels pull transformers'
 Qwen3.5 model and scipy), for kernels nothing on the CPU reaches through it: slime's
 hybrid layers import fla themselves and mix with slime_ext.gated_delta. That module
 records HAVE_FLA False; a process that imported fla before keeps it
