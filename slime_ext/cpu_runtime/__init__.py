@@ -127,14 +127,15 @@ class _HookedLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        hide = self.hidden is not None and self.hidden not in sys.modules
-        if hide:
-            sys.modules[str(self.hidden)] = None  # type: ignore[assignment]
+        # None in sys.modules fails the package's import; one already imported is kept
+        hidden = self.hidden if self.hidden not in sys.modules else None
+        if hidden is not None:
+            sys.modules[hidden] = None  # type: ignore[assignment]
         try:
             self.loader.exec_module(module)
         finally:
-            if hide and sys.modules.get(str(self.hidden), module) is None:
-                del sys.modules[str(self.hidden)]
+            if hidden is not None:
+                sys.modules.pop(hidden, None)
         if self.hook is not None:
             self.hook(module)
 
