@@ -1,14 +1,17 @@
-"""How long a Megatron process of a whole CPU job takes to import what it runs, with and
-without flash-linear-attention loaded through megatron-core's Gated DeltaNet, side by
-side in one run.
+"""How long a Megatron process of a whole CPU job takes to import what it runs under the
+CPU runtime, with and without its two import savings, side by side in one run.
 
 Every MegatronTrainRayActor of slime's train.py (and every converter under torchrun)
 imports `slime.backends.megatron_utils.actor`'s world before it does anything. Under the
-CPU runtime (slime_ext/cpu_runtime, OPD_CPU_RUNTIME=1) megatron-core's Gated DeltaNet is
-loaded with fla hidden (`cpu_runtime.HIDDEN`): "now". "before": the same process with
-fla's two modules that Gated DeltaNet imports loaded first, which is what it did before
-(the hiding leaves a process that already has fla alone). Each pass is a fresh
-interpreter; the modes alternate, and the table gives each one's median and now / before.
+CPU runtime (slime_ext/cpu_runtime, OPD_CPU_RUNTIME=1):
+- megatron-core's Gated DeltaNet is loaded with flash-linear-attention hidden
+  (`cpu_runtime.HIDDEN`);
+- megatron-core's fused functions and slime's PPO losses are left eager, not compiled at
+  import (`cpu_runtime.EAGER`): TorchDynamo and Inductor are never loaded.
+Modes: "before", the runtime with neither (its finder's hidden packages and eager modules
+emptied, the jit_fuser hook removed, before the import); "fla hidden", the first alone
+(the last stop's runtime); "now", both. Each pass is a fresh interpreter; the modes
+alternate, and the table gives each one's median and its ratio to "before".
 
     .venv/bin/python bench/cpu_runtime_start.py [--passes 5] [--module MODULE]
 """
@@ -24,17 +27,28 @@ from pathlib import Path
 
 from slime_ext.cpu_runtime import runtime_env_vars
 
-BEFORE = "import fla.modules.l2norm, fla.ops.gated_delta_rule"
-"""What megatron-core's Gated DeltaNet imported before the CPU runtime hid fla from it."""
+UNDO = """
+import sys
+from slime_ext import cpu_runtime
+[finder] = [f for f in sys.meta_path if isinstance(f, cpu_runtime._AfterImport)]
+"""
+MODES = {
+    "before": UNDO + "finder.hidden, finder.eager = {}, ()\nfinder.hooks.pop('megatron.core.jit')",
+    "fla hidden": UNDO + "finder.eager = ()\nfinder.hooks.pop('megatron.core.jit')",
+    "now": "",
+}
+"""What each mode runs before the import: the runtime's finder without its savings."""
+EXPECTED = {"before": (True, True), "fla hidden": (False, True), "now": (False, False)}
+"""(fla loaded, TorchDynamo loaded) after the import, per mode."""
 
 
-def one_start(module: str, first: str, env: dict[str, str], cwd: Path) -> float:
-    """Seconds a fresh interpreter under the CPU runtime takes to run `first` and import
-    `module` (measured inside it: the interpreter's own start is the same in both)."""
+def one_start(module: str, mode: str, env: dict[str, str], cwd: Path) -> float:
+    """Seconds a fresh interpreter under the CPU runtime takes to set up `mode` and import
+    `module` (measured inside it: the interpreter's own start is the same in each)."""
     code = (
         "import time, sys\nt = time.perf_counter()\n"
-        f"{first}\nimport {module}\n"
-        "print(time.perf_counter() - t, 'fla' in sys.modules)"
+        f"{MODES[mode]}\nimport {module}\n"
+        "print(time.perf_counter() - t, 'fla' in sys.modules, 'torch._dynamo' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
@@ -42,9 +56,12 @@ def one_start(module: str, first: str, env: dict[str, str], cwd: Path) -> float:
     )  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"the import failed:\n{done.stderr[-3000:]}")
-    seconds, fla = done.stdout.split()[-2:]
-    if (fla == "True") != bool(first):
-        raise SystemExit(f"fla loaded: {fla}, expected {bool(first)} (is the runtime on?)")
+    seconds, fla, dynamo = done.stdout.split()[-3:]
+    if (fla == "True", dynamo == "True") != EXPECTED[mode]:
+        raise SystemExit(
+            f"{mode}: fla loaded {fla}, TorchDynamo {dynamo}, expected {EXPECTED[mode]}"
+            " (is the runtime on?)"
+        )
     return float(seconds)
 
 
@@ -57,18 +74,17 @@ def main() -> None:
 
     checkout = Path(slime.__file__).resolve().parents[1]
     env = os.environ | runtime_env_vars(str(checkout)) | {"OMP_NUM_THREADS": "1"}
-    times: dict[str, list[float]] = {"before": [], "now": []}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for index in range(args.passes):
-        for name, first in (("before", BEFORE), ("now", "")):
-            seconds = one_start(args.module, first, env, checkout)
-            times[name].append(seconds)
-            print(f"pass {index + 1}/{args.passes} {name}: {seconds:.2f} s", flush=True)
-    before, now = (statistics.median(times[name]) for name in ("before", "now"))
+        for mode in MODES:
+            seconds = one_start(args.module, mode, env, checkout)
+            times[mode].append(seconds)
+            print(f"pass {index + 1}/{args.passes} {mode}: {seconds:.2f} s", flush=True)
+    medians = {mode: statistics.median(seconds) for mode, seconds in times.items()}
     print(f"\nimport {args.module} under the CPU runtime, median of {args.passes}:")
-    print("| mode | seconds |\n|---|---|")
-    print(f"| before (fla through Gated DeltaNet) | {before:.2f} |")
-    print(f"| now (fla hidden there) | {now:.2f} |")
-    print(f"now / before: {now / before:.2f}x")
+    print("| mode | seconds | / before |\n|---|---|---|")
+    for mode, seconds in medians.items():
+        print(f"| {mode} | {seconds:.2f} | {seconds / medians['before']:.2f}x |")
 
 
 if __name__ == "__main__":

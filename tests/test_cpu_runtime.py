@@ -24,14 +24,29 @@ import megatron.training.training as training
 import megatron.core.utils as core_utils
 import slime.backends.megatron_utils.initialize as initialize
 import megatron.core.ssm.gated_delta_net as gated_delta_net
+import megatron.core.fusions.fused_bias_geglu as geglu
+import megatron.core.jit as jit
+import slime.backends.megatron_utils.actor
+import slime.utils.ppo_utils as ppo_utils
 fla_with_megatron = "fla" in sys.modules
+dynamo_with_megatron = "torch._dynamo" in sys.modules
 import fla.modules.l2norm  # slime's hybrid layers import it themselves: still there
 import torch
+compiled = [
+    hasattr(f, "_torchdynamo_orig_callable")
+    for f in (geglu.bias_geglu, ppo_utils.compute_approx_kl, ppo_utils.compute_policy_loss)
+]
+kl = ppo_utils.compute_approx_kl(torch.tensor([0.5]), torch.tensor([0.25]), "k1")
 linear = torch.nn.Linear(2, 2)
 print(json.dumps({
     "fla_with_megatron": fla_with_megatron,
     "megatron_has_fla": gated_delta_net.HAVE_FLA,
     "fla_later": fla.modules.l2norm.l2norm.__module__,
+    "dynamo_with_megatron": dynamo_with_megatron,
+    "jit_fuser_eager": jit.jit_fuser is jit.noop_decorator,
+    "compiled": compiled,
+    "kl": kl.tolist(),
+    "torch_compile_kept": torch.compile.__module__,
     "started": started,
     "accelerator": accelerator.get_accelerator().name,
     "backend": accelerator.process_group_backend("nccl"),
@@ -69,6 +84,11 @@ def test_a_process_started_with_the_runtime_env_runs_slime_and_megatron_on_the_c
     # which a later import still finds
     assert not seen["fla_with_megatron"] and not seen["megatron_has_fla"]
     assert seen["fla_later"].startswith("fla.")
+    # megatron-core's fused functions and slime's PPO losses eager (cpu_runtime.EAGER): no
+    # TorchDynamo, each function as written (and computing), torch.compile itself kept
+    assert not seen["dynamo_with_megatron"] and seen["jit_fuser_eager"]
+    assert seen["compiled"] == [False, False, False] and seen["kl"] == [0.25]
+    assert seen["torch_compile_kept"] == "torch"
 
 
 def _printed(probe: str, env: dict[str, str]) -> str:

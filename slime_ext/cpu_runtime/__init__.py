@@ -24,7 +24,9 @@ post-import hooks, so a process that never imports slime or Megatron pays nothin
   torch (`redirects.gated_norm_in_torch`); their mixing runs slime_ext.gated_delta's
   torch reference on the CPU already;
 - megatron-core's own Gated DeltaNet loaded without flash-linear-attention (`HIDDEN`),
-  which nothing here uses, and which cost about a fifth of a Megatron process's imports.
+  which nothing here uses, and which cost about a fifth of a Megatron process's imports;
+- megatron-core's fused functions and slime's PPO losses eager, not compiled at import
+  (`EAGER`): TorchDynamo and Inductor are never loaded.
 The hooks themselves are in `redirects`, imported only when a site loads.
 
 What slime and Megatron-LM offer as settings is used instead of a redirect where one
@@ -93,17 +95,47 @@ records HAVE_FLA False; a process that imported fla before keeps it
 (bench/cpu_runtime_start.py measures the start)."""
 
 
+EAGER = ("slime.utils.ppo_utils",)
+"""Modules executed with torch.compile as the identity. megatron-core's fused functions
+are compiled at import through megatron.core.jit's jit_fuser, slime's PPO losses by
+their own decorators: torch.compile loads TorchDynamo and Inductor, about a third of
+what a Megatron process imports here, and on the CPU a compiled function would be built
+by Inductor's C++ backend at its first call. Eager, they compute the same; the fused
+functions through Megatron's own switch (`_eager_fusions`)."""
+
+
+def _eager_compile(function: Any = None, **_: Any) -> Any:
+    """torch.compile, leaving the function as it is (as a decorator with or without
+    arguments)."""
+    return function if function is not None else (lambda later: later)
+
+
+def _eager_fusions(module: ModuleType) -> None:
+    """megatron.core.jit just executed: its jit_fuser is torch.compile. Megatron's own
+    disable_jit_fuser (what Megatron-LM's --disable-jit-fuser calls, but only after every
+    fused function has been compiled) makes it the identity for each module that imports it
+    later, which is all of them."""
+    module.disable_jit_fuser()
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a hook right after one of the named modules has executed; hides a package
-    while one of `hidden` executes."""
+    while one of `hidden` executes; runs each of `eager` with torch.compile the identity."""
 
     def __init__(
-        self, hooks: dict[str, Callable[[ModuleType], None]], hidden: dict[str, str]
+        self,
+        hooks: dict[str, Callable[[ModuleType], None]],
+        hidden: dict[str, str],
+        eager: tuple[str, ...],
     ) -> None:
-        self.hooks, self.hidden = hooks, hidden
+        self.hooks, self.hidden, self.eager = hooks, hidden, eager
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in self.hooks and fullname not in self.hidden:
+        if (
+            fullname not in self.hooks
+            and fullname not in self.hidden
+            and fullname not in self.eager
+        ):
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -111,7 +143,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
             if spec is not None and spec.loader is not None:
                 spec.loader = _HookedLoader(
-                    spec.loader, self.hooks.get(fullname), self.hidden.get(fullname)
+                    spec.loader,
+                    self.hooks.get(fullname),
+                    self.hidden.get(fullname),
+                    fullname in self.eager,
                 )
                 return spec
         return None
@@ -119,9 +154,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 class _HookedLoader(importlib.abc.Loader):
     def __init__(
-        self, loader: Any, hook: Callable[[ModuleType], None] | None, hidden: str | None
+        self,
+        loader: Any,
+        hook: Callable[[ModuleType], None] | None,
+        hidden: str | None,
+        eager: bool,
     ) -> None:
-        self.loader, self.hook, self.hidden = loader, hook, hidden
+        self.loader, self.hook, self.hidden, self.eager = loader, hook, hidden, eager
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         return self.loader.create_module(spec)
@@ -131,11 +170,18 @@ class _HookedLoader(importlib.abc.Loader):
         hidden = self.hidden if self.hidden not in sys.modules else None
         if hidden is not None:
             sys.modules[hidden] = None  # type: ignore[assignment]
+        if self.eager:  # it imports torch itself
+            import torch
+
+            compile_ = torch.compile
+            torch.compile = _eager_compile  # type: ignore[assignment]
         try:
             self.loader.exec_module(module)
         finally:
             if hidden is not None:
                 sys.modules.pop(hidden, None)
+            if self.eager:
+                torch.compile = compile_
         if self.hook is not None:
             self.hook(module)
 
@@ -185,8 +231,9 @@ def install() -> None:
     hooks[sites.OPTIMIZER_LOAD_SITE[0]] = _later("states_before_load")
     hooks[sites.RELOADABLE_GROUP_SITE[0]] = _later("forward_new_collectives")
     hooks["megatron.core"] = _patch_torch
+    hooks["megatron.core.jit"] = _eager_fusions
     hooks["fla.modules.norm.fused_norm_gate"] = _later("gated_norm_in_torch")
     for name, hook in hooks.items():
         if name in sys.modules:
             hook(sys.modules[name])
-    sys.meta_path.insert(0, _AfterImport(hooks, HIDDEN))
+    sys.meta_path.insert(0, _AfterImport(hooks, HIDDEN, EAGER))
