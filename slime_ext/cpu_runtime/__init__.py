@@ -26,7 +26,7 @@ post-import hooks, so a process that never imports slime or Megatron pays nothin
 - megatron-core's own Gated DeltaNet loaded without flash-linear-attention (`HIDDEN`),
   which nothing here uses, and which cost about a fifth of a Megatron process's imports;
 - megatron-core's fused functions and slime's PPO losses eager, not compiled at import
-  (`EAGER`): TorchDynamo and Inductor are never loaded.
+  (`EAGER`): TorchDynamo and Inductor are not loaded with them.
 The hooks themselves are in `redirects`, imported only when a site loads.
 
 What slime and Megatron-LM offer as settings is used instead of a redirect where one
@@ -98,10 +98,13 @@ records HAVE_FLA False; a process that imported fla before keeps it
 EAGER = ("slime.utils.ppo_utils",)
 """Modules executed with torch.compile as the identity. megatron-core's fused functions
 are compiled at import through megatron.core.jit's jit_fuser, slime's PPO losses by
-their own decorators: torch.compile loads TorchDynamo and Inductor, about a third of
-what a Megatron process imports here, and on the CPU a compiled function would be built
-by Inductor's C++ backend at its first call. Eager, they compute the same; the fused
-functions through Megatron's own switch (`_eager_fusions`)."""
+their own decorators: torch.compile loads TorchDynamo and Inductor (1.5 s of a Megatron
+process's 9.3 s of imports here, bench/cpu_runtime_start.py), and on the CPU a compiled
+function would be built by Inductor's C++ backend at its first call. Eager, they compute
+the same; the fused functions through Megatron's own switch (`_eager_fusions`). Inductor
+is then never loaded; TorchDynamo only where torch's optimizer first steps (its step
+imports it), so a trainer still loads it, the driver, rollout manager, engines and
+converters do not."""
 
 
 def _eager_compile(function: Any = None, **_: Any) -> Any:
