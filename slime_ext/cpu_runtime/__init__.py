@@ -101,10 +101,10 @@ are compiled at import through megatron.core.jit's jit_fuser, slime's PPO losses
 their own decorators: torch.compile loads TorchDynamo and Inductor (1.5 s of a Megatron
 process's 9.3 s of imports here, bench/cpu_runtime_start.py), and on the CPU a compiled
 function would be built by Inductor's C++ backend at its first call. Eager, they compute
-the same; the fused functions through Megatron's own switch (`_eager_fusions`). Inductor
-is then never loaded; TorchDynamo only where torch's optimizer first steps (its step
-imports it), so a trainer still loads it, the driver, rollout manager, engines and
-converters do not."""
+the same; the fused functions through Megatron's own switch (`_eager_fusions`). They
+load only where torch's optimizer first steps (its step imports TorchDynamo, which
+imports part of Inductor): a trainer still loads them, the driver, rollout manager,
+engines and converters do not."""
 
 
 def _eager_compile(function: Any = None, **_: Any) -> Any:
