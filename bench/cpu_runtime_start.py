@@ -7,7 +7,7 @@ CPU runtime (slime_ext/cpu_runtime, OPD_CPU_RUNTIME=1):
 - megatron-core's Gated DeltaNet is loaded with flash-linear-attention hidden
   (`cpu_runtime.HIDDEN`);
 - megatron-core's fused functions and slime's PPO losses are left eager, not compiled at
-  import (`cpu_runtime.EAGER`): TorchDynamo and Inductor are never loaded.
+  import (`cpu_runtime.EAGER`): the import loads neither TorchDynamo nor Inductor.
 Modes: "before", the runtime with neither (its finder's hidden packages and eager modules
 emptied, the jit_fuser hook removed, before the import); "fla hidden", the first alone
 (the last stop's runtime); "now", both. Each pass is a fresh interpreter; the modes
@@ -27,16 +27,14 @@ from pathlib import Path
 
 from slime_ext.cpu_runtime import runtime_env_vars
 
-UNDO = """
+NO_EAGER = """
 import sys
 from slime_ext import cpu_runtime
 [finder] = [f for f in sys.meta_path if isinstance(f, cpu_runtime._AfterImport)]
+finder.eager = ()
+finder.hooks.pop("megatron.core.jit")
 """
-MODES = {
-    "before": UNDO + "finder.hidden, finder.eager = {}, ()\nfinder.hooks.pop('megatron.core.jit')",
-    "fla hidden": UNDO + "finder.eager = ()\nfinder.hooks.pop('megatron.core.jit')",
-    "now": "",
-}
+MODES = {"before": NO_EAGER + "finder.hidden = {}\n", "fla hidden": NO_EAGER, "now": ""}
 """What each mode runs before the import: the runtime's finder without its savings."""
 EXPECTED = {"before": (True, True), "fla hidden": (False, True), "now": (False, False)}
 """(fla loaded, TorchDynamo loaded) after the import, per mode."""
